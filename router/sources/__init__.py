@@ -1,0 +1,1 @@
+"""Discovery sources: each one feeds a `ClusterView` and says when it has synced."""

@@ -1,0 +1,170 @@
+"""Upstream vLLM MooncakeConnector: a router-made transfer id, both engines at once.
+
+Sources: vLLM's connector (vllm-project/vllm,
+vllm/distributed/kv_transfer/kv_connector/v1/mooncake/mooncake_connector.py:
+`update_state_after_alloc`, `request_finished`, `_connect_to_prefiller_bootstrap`;
+mooncake_utils.py: `MooncakeBootstrapServer`), vLLM's reference proxy
+(examples/disaggregated/mooncake_connector/mooncake_connector_proxy.py, formerly
+under examples/online_serving/disaggregated_serving/) and
+docs/features/mooncake_connector_usage.md. The stored vllm-project/router has no
+Mooncake path (its vllm_pd_router.rs only speaks NIXL's sequential handle); the
+router-side shape below is the reference proxy's, which the SMG gateway's
+`mooncake_prefill_params` / `mooncake_decode_params` repeat.
+
+The prefill engine's global rank 0 runs a bootstrap server (FastAPI) on
+`VLLM_MOONCAKE_BOOTSTRAP_PORT` (default 8998) where every prefill worker registers.
+Prefill pushes KV to decode (P-push); decode learns where the prefill workers are
+from that server and the prefill learns where to push from decode, keyed by the
+transfer id the router made up. Prefill answers with no handle.
+
+Exchange, field by field:
+
+1. Router -> prefill bootstrap, `GET http://<prefill ip>:<port>/query` (port:
+   annotation `pdgate.io/mooncake-bootstrap-port`, default 8998; IPv6 in
+   brackets), no headers. Answer: `{"<dp_rank>": {"engine_id": str, "worker_addr":
+   {"<tp_rank>": {"<pp_rank>": "<host:port>"}}, ...}}`, one entry per
+   data-parallel engine (newer vLLM adds `tp_size`, `pp_size`, shard details). We
+   need a non-empty object whose chosen entry has a non-empty string `engine_id` and
+   a non-empty `worker_addr` object (empty means the workers have not registered
+   yet), under a decimal `dp_rank`; anything else is
+   `UpstreamError(reason="bad_bootstrap", retryable=True)`, and so is a failed GET.
+   The rank is the client's `X-data-parallel-rank` if the answer has it, else a
+   random one.
+2. Router -> prefill, `POST <call.path>`, headers `call.headers` plus
+   `X-data-parallel-rank: <dp_rank>` (pins the prefill to the engine whose id
+   decode is given; the reference proxy always sends it). Body is the client's body
+   with `stream: false`, `stream_options` removed, `max_tokens: 1`,
+   `max_completion_tokens: 1` if sent, `min_tokens: 1` (vLLM only sends the KV of a
+   prefill that stopped on length), and
+   `kv_transfer_params: {"do_remote_decode": true, "do_remote_prefill": false,
+   "transfer_id": "<id>"}`. Launched as a task (`Handoff.prefill_task`).
+3. Router -> decode, at once, headers `call.headers`: the client's body plus
+   `kv_transfer_params: {"do_remote_decode": false, "do_remote_prefill": true,
+   "transfer_id": "<id>", "remote_bootstrap_addr": "http://<prefill ip>:<port>",
+   "remote_engine_id": "<engine_id of dp_rank>"}`. Decode needs all three of
+   `transfer_id`, `remote_bootstrap_addr` (with `http://`: it appends `/query`) and
+   `remote_engine_id`, or it silently prefills locally.
+
+`transfer_id` is `xfer-<request id>-<8 hex chars>`: traceable in engine logs, fresh
+per attempt so a retry on the same prefill never meets an earlier attempt's state.
+If the prefill fails, decode waits for KV until vLLM's timeout: the router must
+watch the prefill task and cancel decode (vLLM frees unclaimed prefill blocks after
+`VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT`, 480 s).
+
+Limits: the bootstrap server is assumed to be on the prefill pod (vLLM's
+`bootstrap_server_address` option can move it elsewhere; that is not supported).
+`/query` is asked on every attempt rather than cached, so a restarted prefill
+engine (new engine ids, same IP) is never addressed by a stale id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import secrets
+from collections.abc import Mapping
+from typing import Any, ClassVar, Final
+
+from kv_connectors._common import (
+    DEFAULT_BOOTSTRAP_PORT,
+    MOONCAKE_BOOTSTRAP_PORT_ANNOTATION,
+    call_port,
+    url_host,
+    vllm_prefill,
+)
+from kv_connectors.base import Handoff, KVConnector, PDCall, PrefillClient, UpstreamError
+
+#: vLLM's header that pins a request to one data-parallel engine.
+DP_RANK_HEADER: Final = "X-data-parallel-rank"
+#: Longest wait for `/query`: a hung bootstrap server must not eat the whole deadline.
+BOOTSTRAP_QUERY_TIMEOUT_S: Final = 5.0
+
+
+class MooncakeVllmConnector(KVConnector):
+    """Concurrent rendezvous on a transfer id, engine ids read from the bootstrap server."""
+
+    name: ClassVar[str] = "mooncake-vllm"
+
+    def __init__(self, bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT) -> None:
+        self.bootstrap_port = bootstrap_port
+
+    async def start(self, call: PDCall, client: PrefillClient) -> Handoff:
+        """Ask the bootstrap server, launch prefill, return decode's body with the rendezvous."""
+        port = call_port(call.annotations, MOONCAKE_BOOTSTRAP_PORT_ANNOTATION, self.bootstrap_port)
+        bootstrap_addr = f"http://{url_host(call.prefill.ip)}:{port}"
+        answer = await _query(client, call, bootstrap_addr + "/query")
+        dp_rank, engine_id = _pick_engine(answer, _header(call.headers, DP_RANK_HEADER), call)
+        transfer_id = f"xfer-{call.request_id}-{secrets.token_hex(4)}"
+
+        prefill = vllm_prefill(
+            call.body,
+            {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id},
+        )
+        headers = {k: v for k, v in call.headers.items() if k.lower() != DP_RANK_HEADER.lower()}
+        headers[DP_RANK_HEADER] = dp_rank
+        task = asyncio.create_task(
+            client.post_json(call.prefill, call.path, prefill, headers, call.deadline),
+            name=f"mooncake-prefill-{call.request_id}",
+        )
+        decode = dict(call.body)
+        decode["kv_transfer_params"] = {
+            "do_remote_decode": False,
+            "do_remote_prefill": True,
+            "transfer_id": transfer_id,
+            "remote_bootstrap_addr": bootstrap_addr,
+            "remote_engine_id": engine_id,
+        }
+        return Handoff(decode_body=decode, prefill_task=task)
+
+
+async def _query(client: PrefillClient, call: PDCall, url: str) -> Any:
+    """GET `/query`, with transport failures reported as a bootstrap problem of this pod."""
+    deadline = min(call.deadline, asyncio.get_running_loop().time() + BOOTSTRAP_QUERY_TIMEOUT_S)
+    try:
+        return await client.get_json(url, {}, deadline)
+    except UpstreamError as exc:
+        raise UpstreamError(
+            "bad_bootstrap",
+            "The prefill engine's KV bootstrap server could not be queried.",
+            retryable=exc.retryable,
+            status=exc.status,
+            pod=call.prefill,
+            phase="prefill",
+        ) from exc
+
+
+def _pick_engine(answer: Any, wanted: str | None, call: PDCall) -> tuple[str, str]:
+    """Choose the data-parallel rank to pin, and its engine id, from a `/query` answer."""
+    if not isinstance(answer, dict) or not answer:
+        raise _bad_bootstrap(call)
+    if wanted is not None and wanted.strip() in answer:
+        rank = wanted.strip()
+    else:
+        rank = random.choice(sorted(answer))
+    entry = answer[rank]
+    if not (isinstance(rank, str) and rank.isdecimal() and isinstance(entry, dict)):
+        raise _bad_bootstrap(call)
+    engine_id = entry.get("engine_id")
+    workers = entry.get("worker_addr")
+    if not (isinstance(engine_id, str) and engine_id and isinstance(workers, dict) and workers):
+        raise _bad_bootstrap(call)
+    return rank, engine_id
+
+
+def _header(headers: Mapping[str, str], name: str) -> str | None:
+    """A header's value, whatever case the client spelled it in."""
+    lowered = name.lower()
+    for key, value in headers.items():
+        if key.lower() == lowered:
+            return value
+    return None
+
+
+def _bad_bootstrap(call: PDCall) -> UpstreamError:
+    return UpstreamError(
+        "bad_bootstrap",
+        "The prefill engine's KV bootstrap server gave no usable engine.",
+        retryable=True,
+        pod=call.prefill,
+        phase="prefill",
+    )

@@ -11,11 +11,30 @@ INTERFACE CONTRACT (helpers implement; names and fields are fixed).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, TypeVar
 
-from router.resources import ModelRoute, ModelServer, Pod, Resource
+from router.resources import (
+    KINDS,
+    ModelRoute,
+    ModelServer,
+    Pod,
+    Resource,
+    kind_of,
+    timestamp_key,
+)
+
+log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+#: How many recent invalid-object reports a view keeps for the admin API.
+MAX_INVALID_RECORDS = 128
 
 Role = Literal["prefill", "decode", "both"]
 
@@ -76,9 +95,20 @@ class Snapshot:
     servers: dict[tuple[str, str], ServerPods] = field(default_factory=dict)  # (ns, name)
     ambiguous_pods: int = 0  # matched both role label sets or neither: left out
     generation: int = 0
+    ambiguous_pod_keys: tuple[str, ...] = ()  # "ns/name" of the pods counted above, sorted
 
     def model_names(self) -> list[str]:
         return sorted(self.routes_by_model)
+
+
+@dataclass(frozen=True, slots=True)
+class InvalidRecord:
+    """One object a source could not use, kept so operators can see why."""
+
+    kind: str
+    name: str  # "namespace/name" when known
+    reason: str
+    at: float  # time.time() of the report
 
 
 class ClusterView:
@@ -86,33 +116,259 @@ class ClusterView:
 
     `apply`/`delete` are called by sources; `snapshot` is read by routing. Listeners
     (e.g. the scheduler dropping a removed pod's cache entries) get each new snapshot.
+    Not thread-safe: call it from the event loop (sources parse in threads, apply here).
     """
 
     def __init__(self) -> None:
         self.snapshot = Snapshot()
+        self.generation = 0
         self._listeners: list[Callable[[Snapshot], None]] = []
+        self._objects: dict[str, dict[tuple[str, str], Resource]] = {k: {} for k in KINDS}
+        self._batch_depth = 0
+        self._dirty = False
+        #: Invalid objects reported by sources, by kind (monotonic; read by metrics).
+        self.invalid_counts: dict[str, int] = {}
+        #: The most recent reports, oldest first, at most MAX_INVALID_RECORDS.
+        self.recent_invalid: deque[InvalidRecord] = deque(maxlen=MAX_INVALID_RECORDS)
 
     def subscribe(self, listener: Callable[[Snapshot], None]) -> None:
         self._listeners.append(listener)
 
     def apply(self, obj: Resource) -> None:
-        raise NotImplementedError
+        """Add or replace one object (keyed by kind, namespace and name)."""
+        store = self._objects[kind_of(obj)]
+        key = obj.meta.key
+        if store.get(key) == obj:
+            return
+        store[key] = obj
+        self._changed()
 
     def delete(self, kind: str, namespace: str, name: str) -> None:
-        raise NotImplementedError
+        if self._store(kind).pop((namespace, name), None) is not None:
+            self._changed()
 
     def replace_all(self, kind: str, objs: list[Resource], namespace: str | None = None) -> None:
         """Replace every object of `kind` (within `namespace` if given): used after a LIST."""
-        raise NotImplementedError
+        store = self._store(kind)
+        fresh: dict[tuple[str, str], Resource] = {}
+        for obj in objs:
+            if kind_of(obj) != kind:
+                raise ValueError(f"replace_all({kind!r}) got a {kind_of(obj)}")
+            fresh[obj.meta.key] = obj
+        if namespace is None:
+            new = fresh
+        else:
+            new = {key: obj for key, obj in store.items() if key[0] != namespace}
+            new.update(fresh)
+        if new != store:
+            self._objects[kind] = new
+            self._changed()
 
-    def batch(self) -> object:
-        """Context manager: many apply/delete calls, one rebuild at exit."""
-        raise NotImplementedError
+    def batch(self) -> AbstractContextManager[None]:
+        """Context manager: many apply/delete calls, one rebuild at exit.
+
+        If the block raises, the raw objects roll back to how they were when the
+        outermost batch began, so a half-applied edit is never published.
+        """
+        return self._batch()
+
+    @contextmanager
+    def _batch(self) -> Iterator[None]:
+        saved = {k: dict(v) for k, v in self._objects.items()} if self._batch_depth == 0 else None
+        was_dirty = self._dirty
+        self._batch_depth += 1
+        try:
+            yield
+        except BaseException:
+            self._batch_depth -= 1
+            if saved is not None:
+                self._objects = saved
+                self._dirty = was_dirty
+            raise
+        self._batch_depth -= 1
+        if self._batch_depth == 0 and self._dirty:
+            self._rebuild()
+
+    def objects(self, kind: str) -> Mapping[tuple[str, str], Resource]:
+        """The raw objects of one kind, keyed by (namespace, name). Read-only use."""
+        return self._store(kind)
+
+    def report_invalid(self, kind: str, name: str, reason: str) -> None:
+        """Record an object a source had to skip: counted, kept briefly, and logged."""
+        self.invalid_counts[kind] = self.invalid_counts.get(kind, 0) + 1
+        self.recent_invalid.append(InvalidRecord(kind, name, reason, time.time()))
+        log.warning("invalid %s %s skipped: %s", kind, name, reason)
+
+    def _store(self, kind: str) -> dict[tuple[str, str], Resource]:
+        try:
+            return self._objects[kind]
+        except KeyError:
+            raise ValueError(f"unknown kind {kind!r}") from None
+
+    def _changed(self) -> None:
+        self._dirty = True
+        if self._batch_depth == 0:
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        self._dirty = False
+        self.generation += 1
+        snapshot = build_snapshot(
+            routes=_typed(self._objects["ModelRoute"].values(), ModelRoute),
+            servers=_typed(self._objects["ModelServer"].values(), ModelServer),
+            pods=_typed(self._objects["Pod"].values(), Pod),
+            generation=self.generation,
+        )
+        self.snapshot = snapshot
+        for listener in list(self._listeners):
+            try:
+                listener(snapshot)
+            except Exception:
+                log.exception("snapshot listener %r failed", listener)
+
+
+def _typed(objs: Iterable[Resource], cls: type[_T]) -> list[_T]:
+    return [obj for obj in objs if isinstance(obj, cls)]
+
+
+def _route_order(route: ModelRoute) -> tuple[object, str, str]:
+    return (timestamp_key(route.meta.creation_timestamp), route.meta.namespace, route.meta.name)
+
+
+def _routes_by_model(routes: list[ModelRoute]) -> dict[str, ModelRoute]:
+    """Map each model name and LoRA adapter to its oldest route.
+
+    As in Kthena, a name claimed as some route's `modelName` is looked up there before
+    any route's `loraAdapters`; among routes of one kind the oldest wins.
+    """
+    ordered = sorted(routes, key=_route_order)
+    out: dict[str, ModelRoute] = {}
+    for route in ordered:
+        if route.model_name is not None:
+            out.setdefault(route.model_name, route)
+    for route in ordered:
+        for adapter in route.lora_adapters:
+            out.setdefault(adapter, route)
+    return out
+
+
+class _NamespacePods:
+    """Ready pods of one namespace, indexed by label so selectors skip most pods."""
+
+    __slots__ = ("all", "by_label")
+
+    def __init__(self) -> None:
+        self.all: list[Pod] = []
+        self.by_label: dict[tuple[str, str], list[Pod]] = {}
+
+    def add(self, pod: Pod) -> None:
+        self.all.append(pod)
+        for item in pod.meta.labels.items():
+            self.by_label.setdefault(item, []).append(pod)
+
+    def select(self, match: dict[str, str]) -> list[Pod]:
+        if not match:
+            return self.all
+        smallest: list[Pod] | None = None
+        for item in match.items():
+            found = self.by_label.get(item)
+            if not found:
+                return []
+            if smallest is None or len(found) < len(smallest):
+                smallest = found
+        assert smallest is not None
+        return [pod for pod in smallest if _has_labels(pod.meta.labels, match)]
+
+
+def _has_labels(labels: dict[str, str], required: dict[str, str]) -> bool:
+    """Kthena's matchesLabels: every required pair present (an empty set matches nothing)."""
+    if not required:
+        return False
+    for key, value in required.items():
+        if labels.get(key) != value:
+            return False
+    return True
+
+
+def _endpoint(pod: Pod, server: ModelServer, role: Role, group: str | None) -> Endpoint:
+    assert pod.ip is not None
+    return Endpoint(
+        namespace=pod.meta.namespace,
+        pod_name=pod.meta.name,
+        ip=pod.ip,
+        port=server.port,
+        role=role,
+        group=group,
+        scheme=server.protocol,
+    )
+
+
+def _server_pods(
+    server: ModelServer, pods: list[Pod], left_out: set[str]
+) -> ServerPods:
+    pd = server.pd_group
+    if pd is None:
+        return ServerPods(
+            server=server, aggregated=tuple(_endpoint(p, server, "both", None) for p in pods)
+        )
+    groups: dict[str, tuple[list[Endpoint], list[Endpoint]]] = {}
+    for pod in pods:
+        labels = pod.meta.labels
+        group = labels.get(pd.group_key)
+        is_prefill = _has_labels(labels, pd.prefill_labels)
+        is_decode = _has_labels(labels, pd.decode_labels)
+        if not group or is_prefill == is_decode:
+            left_out.add(f"{pod.meta.namespace}/{pod.meta.name}")
+            continue
+        prefill, decode = groups.setdefault(group, ([], []))
+        if is_prefill:
+            prefill.append(_endpoint(pod, server, "prefill", group))
+        else:
+            decode.append(_endpoint(pod, server, "decode", group))
+    return ServerPods(
+        server=server,
+        groups=tuple(
+            PDGroupPods(group=name, prefill=tuple(prefill), decode=tuple(decode))
+            for name, (prefill, decode) in sorted(groups.items())
+            if prefill and decode
+        ),
+    )
+
+
+def build_snapshot(
+    routes: list[ModelRoute], servers: list[ModelServer], pods: list[Pod], generation: int = 0
+) -> Snapshot:
+    """Compute a snapshot from raw objects: a pure function, so it is easy to test.
+
+    Pods are indexed once by namespace and label, so a rebuild costs about
+    O(pods + servers x selected pods) rather than O(pods x servers).
+    """
+    by_namespace: dict[str, _NamespacePods] = {}
+    for pod in sorted(pods, key=lambda p: p.meta.key):
+        if pod.ready and pod.ip:
+            ns = by_namespace.get(pod.meta.namespace)
+            if ns is None:
+                ns = by_namespace[pod.meta.namespace] = _NamespacePods()
+            ns.add(pod)
+    left_out: set[str] = set()
+    server_pods: dict[tuple[str, str], ServerPods] = {}
+    empty = _NamespacePods()
+    for server in sorted(servers, key=lambda s: s.meta.key):
+        selected = by_namespace.get(server.meta.namespace, empty).select(server.match_labels)
+        server_pods[server.meta.key] = _server_pods(server, selected, left_out)
+    return Snapshot(
+        routes_by_model=_routes_by_model(routes),
+        servers=server_pods,
+        ambiguous_pods=len(left_out),
+        generation=generation,
+        ambiguous_pod_keys=tuple(sorted(left_out)),
+    )
 
 
 __all__ = [
     "ClusterView",
     "Endpoint",
+    "InvalidRecord",
     "ModelRoute",
     "ModelServer",
     "PDGroupPods",
@@ -120,4 +376,5 @@ __all__ = [
     "Role",
     "ServerPods",
     "Snapshot",
+    "build_snapshot",
 ]

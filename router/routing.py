@@ -1,0 +1,141 @@
+"""Route matching: from a request's model, headers and path to one ModelServer.
+
+Follows Kthena's router: the model name selects a ModelRoute (by `modelName` or a
+LoRA adapter), the first rule whose `modelMatch` holds wins, and a target is drawn by
+weight. It reads only an immutable `Snapshot` and allocates next to nothing, because it
+runs once per request.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from router.resources import ModelRoute, Rule
+from router.view import ServerPods, Snapshot
+
+
+class RoutingError(LookupError):
+    """Base of the routing failures; `model` is the name the client asked for."""
+
+    def __init__(self, model: str, message: str) -> None:
+        super().__init__(message)
+        self.model = model
+
+
+class ModelNotFound(RoutingError):
+    """No ModelRoute serves this model name or LoRA adapter (the client's 404)."""
+
+    def __init__(self, model: str) -> None:
+        super().__init__(model, f"model {model!r} not found")
+
+
+class NoRoute(RoutingError):
+    """A route exists but no rule matches or no target ModelServer exists."""
+
+    def __init__(self, model: str, reason: str) -> None:
+        super().__init__(model, f"no route for model {model!r}: {reason}")
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class RouteDecision:
+    route: ModelRoute
+    rule: Rule
+    server: ServerPods
+    upstream_model: str  # ModelServer.model if set, else the request's model
+
+
+def rule_matches(rule: Rule, model: str, headers: Mapping[str, str], path: str) -> bool:
+    """Kthena's selectRule predicate: every condition set in `modelMatch` must hold.
+
+    `headers` keys must be lower-cased; a header that is absent never matches.
+    """
+    match = rule.model_match
+    if match is None:
+        return True
+    if match.body_model is not None and match.body_model != model:
+        return False
+    if match.uri is not None and not match.uri.matches(path):
+        return False
+    for name, condition in match.headers.items():
+        if not condition.matches(headers.get(name)):
+            return False
+    return True
+
+
+def select_rule(
+    route: ModelRoute, model: str, headers: Mapping[str, str], path: str
+) -> Rule | None:
+    """The first rule of `route` that matches, or None."""
+    for rule in route.rules:
+        if rule_matches(rule, model, headers, path):
+            return rule
+    return None
+
+
+def resolve(
+    snapshot: Snapshot,
+    model: str,
+    headers: Mapping[str, str],
+    path: str,
+    rng: random.Random,
+) -> RouteDecision:
+    """Pick the route, rule and ModelServer for one request.
+
+    Raises `ModelNotFound` for an unknown model and `NoRoute` when no rule matches or
+    no target server exists. Targets whose ModelServer is missing, or whose weight is
+    0, are never drawn; the others are drawn in proportion to their weights.
+    """
+    route = snapshot.routes_by_model.get(model)
+    if route is None:
+        raise ModelNotFound(model)
+    rule = select_rule(route, model, headers, path)
+    if rule is None:
+        raise NoRoute(model, f"no rule of ModelRoute {_name(route)} matches the request")
+
+    servers = snapshot.servers
+    namespace = route.meta.namespace
+    # Two passes over a handful of targets instead of building a list per request.
+    total = 0
+    existing = 0
+    for target in rule.target_models:
+        if (namespace, target.model_server_name) in servers:
+            existing += 1
+            total += target.weight
+    if existing == 0:
+        raise NoRoute(model, f"no target ModelServer of rule {rule.name!r} exists")
+    if total == 0:
+        raise NoRoute(model, f"every existing target of rule {rule.name!r} has weight 0")
+
+    point = rng.randrange(total)
+    chosen: ServerPods | None = None
+    for target in rule.target_models:
+        server = servers.get((namespace, target.model_server_name))
+        if server is None or target.weight == 0:
+            continue
+        point -= target.weight
+        if point < 0:
+            chosen = server
+            break
+    assert chosen is not None  # point < total, so the walk always lands
+    upstream = chosen.server.model
+    return RouteDecision(
+        route=route, rule=rule, server=chosen, upstream_model=upstream if upstream else model
+    )
+
+
+def _name(route: ModelRoute) -> str:
+    return f"{route.meta.namespace}/{route.meta.name}"
+
+
+__all__ = [
+    "ModelNotFound",
+    "NoRoute",
+    "RouteDecision",
+    "RoutingError",
+    "resolve",
+    "rule_matches",
+    "select_rule",
+]

@@ -1,0 +1,338 @@
+"""ClusterView: snapshots, batching, duplicates, PD grouping and invalid-object reports."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from router.resources import (
+    ModelRoute,
+    ModelServer,
+    ObjectMeta,
+    PDGroup,
+    Pod,
+    Rule,
+    TargetModel,
+)
+from router.view import MAX_INVALID_RECORDS, ClusterView, Snapshot, build_snapshot
+
+PD = PDGroup(
+    group_key="group", prefill_labels={"role": "prefill"}, decode_labels={"role": "decode"}
+)
+
+
+def route(
+    name: str,
+    model: str | None = "m",
+    lora: tuple[str, ...] = (),
+    created: str = "",
+    namespace: str = "default",
+    server: str = "ms",
+) -> ModelRoute:
+    return ModelRoute(
+        meta=ObjectMeta(name=name, namespace=namespace, creation_timestamp=created),
+        model_name=model,
+        lora_adapters=lora,
+        rules=(Rule(name="r", target_models=(TargetModel(server),)),),
+    )
+
+
+def server(
+    name: str = "ms",
+    labels: dict[str, str] | None = None,
+    pd: PDGroup | None = None,
+    namespace: str = "default",
+    port: int = 8000,
+    protocol: str = "http",
+) -> ModelServer:
+    return ModelServer(
+        meta=ObjectMeta(name=name, namespace=namespace),
+        model=None,
+        inference_engine="vLLM",
+        match_labels={"app": "x"} if labels is None else labels,
+        pd_group=pd,
+        port=port,
+        protocol=protocol,  # type: ignore[arg-type]
+    )
+
+
+def pod(
+    name: str,
+    labels: dict[str, str] | None = None,
+    ip: str | None = "10.0.0.1",
+    ready: bool = True,
+    namespace: str = "default",
+) -> Pod:
+    return Pod(
+        meta=ObjectMeta(name=name, namespace=namespace, labels={"app": "x", **(labels or {})}),
+        ip=ip,
+        ready=ready,
+    )
+
+
+# --------------------------------------------------------------------------- mechanics
+
+
+def test_apply_publishes_snapshot_and_calls_listeners() -> None:
+    view = ClusterView()
+    seen: list[Snapshot] = []
+    view.subscribe(seen.append)
+    view.apply(route("r"))
+    assert view.generation == 1
+    assert view.snapshot.generation == 1
+    assert seen == [view.snapshot]
+    assert view.snapshot.model_names() == ["m"]
+
+
+def test_unchanged_apply_does_not_rebuild() -> None:
+    view = ClusterView()
+    view.apply(route("r"))
+    before = view.snapshot
+    view.apply(route("r"))
+    assert view.snapshot is before and view.generation == 1
+
+
+def test_delete() -> None:
+    view = ClusterView()
+    view.apply(route("r"))
+    view.delete("ModelRoute", "default", "r")
+    assert view.snapshot.routes_by_model == {} and view.generation == 2
+    view.delete("ModelRoute", "default", "r")  # absent: no rebuild
+    assert view.generation == 2
+    with pytest.raises(ValueError):
+        view.delete("ConfigMap", "default", "x")
+
+
+def test_batch_rebuilds_once() -> None:
+    view = ClusterView()
+    calls: list[int] = []
+    view.subscribe(lambda s: calls.append(s.generation))
+    with view.batch():
+        view.apply(server())
+        view.apply(pod("p1"))
+        with view.batch():  # nested: still one rebuild at the outermost exit
+            view.apply(pod("p2"))
+        assert view.snapshot.servers == {}
+    assert calls == [1]
+    assert len(view.snapshot.servers[("default", "ms")].aggregated) == 2
+
+
+def test_batch_rolls_back_on_error() -> None:
+    view = ClusterView()
+    view.apply(pod("p1"))
+    with pytest.raises(RuntimeError), view.batch():
+        view.apply(server())
+        view.delete("Pod", "default", "p1")
+        raise RuntimeError("half an edit")
+    assert view.generation == 1
+    assert set(view.objects("Pod")) == {("default", "p1")}
+    assert view.objects("ModelServer") == {}
+
+
+def test_replace_all_everywhere_and_in_one_namespace() -> None:
+    view = ClusterView()
+    view.replace_all("Pod", [pod("a"), pod("b", namespace="other")])
+    assert set(view.objects("Pod")) == {("default", "a"), ("other", "b")}
+    view.replace_all("Pod", [pod("c", namespace="other")], namespace="other")
+    assert set(view.objects("Pod")) == {("default", "a"), ("other", "c")}
+    generation = view.generation
+    view.replace_all("Pod", [pod("c", namespace="other")], namespace="other")
+    assert view.generation == generation  # nothing changed: no rebuild
+    view.replace_all("Pod", [])
+    assert view.objects("Pod") == {}
+    with pytest.raises(ValueError):
+        view.replace_all("Pod", [route("r")])
+
+
+def test_listener_failure_does_not_stop_others() -> None:
+    view = ClusterView()
+    seen: list[int] = []
+
+    def broken(_: Snapshot) -> None:
+        raise RuntimeError("boom")
+
+    view.subscribe(broken)
+    view.subscribe(lambda s: seen.append(s.generation))
+    view.apply(route("r"))
+    assert seen == [1]
+
+
+def test_report_invalid_is_counted_and_bounded() -> None:
+    view = ClusterView()
+    for i in range(MAX_INVALID_RECORDS + 10):
+        view.report_invalid("ModelServer", f"default/ms{i}", "bad port")
+    view.report_invalid("Pod", "default/p", "bad ip")
+    assert view.invalid_counts == {"ModelServer": MAX_INVALID_RECORDS + 10, "Pod": 1}
+    assert len(view.recent_invalid) == MAX_INVALID_RECORDS
+    last = view.recent_invalid[-1]
+    assert (last.kind, last.name, last.reason) == ("Pod", "default/p", "bad ip")
+
+
+# --------------------------------------------------------------------------- routes
+
+
+def test_duplicate_model_name_resolves_to_oldest() -> None:
+    snap = build_snapshot(
+        routes=[
+            route("new", created="2024-05-02T00:00:00Z"),
+            route("old", created="2024-05-01T00:00:00Z"),
+            route("older-offset", created="2024-05-01T01:00:00+02:00"),  # 23:00 the day before
+        ],
+        servers=[],
+        pods=[],
+    )
+    assert snap.routes_by_model["m"].meta.name == "older-offset"
+
+
+def test_duplicate_tie_breaks_on_namespace_then_name() -> None:
+    snap = build_snapshot(
+        routes=[route("b"), route("a", namespace="z"), route("a")], servers=[], pods=[]
+    )
+    winner = snap.routes_by_model["m"]
+    assert winner.meta.key == ("default", "a")
+
+
+def test_file_objects_without_timestamp_count_as_oldest() -> None:
+    snap = build_snapshot(
+        routes=[route("k8s", created="2020-01-01T00:00:00Z"), route("zfile")],
+        servers=[],
+        pods=[],
+    )
+    assert snap.routes_by_model["m"].meta.name == "zfile"
+
+
+def test_lora_adapters_map_to_route_and_model_name_wins() -> None:
+    snap = build_snapshot(
+        routes=[
+            route("lora-old", model=None, lora=("sql", "base"), created="2024-01-01T00:00:00Z"),
+            route("base-new", model="base", created="2024-06-01T00:00:00Z"),
+            route("lora-new", model=None, lora=("sql",), created="2024-06-01T00:00:00Z"),
+        ],
+        servers=[],
+        pods=[],
+    )
+    assert snap.routes_by_model["sql"].meta.name == "lora-old"
+    # As in Kthena, a modelName match is looked up before any LoRA adapter match.
+    assert snap.routes_by_model["base"].meta.name == "base-new"
+    assert snap.model_names() == ["base", "sql"]
+
+
+# --------------------------------------------------------------------------- servers
+
+
+def test_aggregated_server_selects_ready_pods_in_namespace() -> None:
+    snap = build_snapshot(
+        routes=[],
+        servers=[server(port=9000, protocol="https")],
+        pods=[
+            pod("b", ip="10.0.0.2"),
+            pod("a", ip="10.0.0.1"),
+            pod("not-ready", ready=False),
+            pod("no-ip", ip=None),
+            pod("other-ns", namespace="other"),
+            Pod(meta=ObjectMeta(name="other-app", labels={"app": "y"}), ip="10.0.0.9", ready=True),
+        ],
+    )
+    sp = snap.servers[("default", "ms")]
+    assert not sp.is_pd and sp.groups == ()
+    assert [e.pod_name for e in sp.aggregated] == ["a", "b"]
+    first = sp.aggregated[0]
+    assert (first.role, first.group, first.port, first.scheme) == ("both", None, 9000, "https")
+    assert first.base_url == "https://10.0.0.1:9000"
+    assert first.key == "default/a"
+
+
+def test_ipv6_base_url() -> None:
+    snap = build_snapshot(routes=[], servers=[server()], pods=[pod("a", ip="fd00::1")])
+    assert snap.servers[("default", "ms")].aggregated[0].base_url == "http://[fd00::1]:8000"
+
+
+def test_empty_match_labels_select_whole_namespace() -> None:
+    snap = build_snapshot(
+        routes=[], servers=[server(labels={})], pods=[pod("a"), pod("b", namespace="o")]
+    )
+    assert [e.pod_name for e in snap.servers[("default", "ms")].aggregated] == ["a"]
+
+
+def test_pd_groups_and_ambiguous_pods() -> None:
+    pods = [
+        pod("g1-p", {"group": "g1", "role": "prefill"}, ip="10.0.1.1"),
+        pod("g1-d", {"group": "g1", "role": "decode"}, ip="10.0.1.2"),
+        pod("g1-d2", {"group": "g1", "role": "decode"}, ip="10.0.1.3"),
+        pod("g0-p", {"group": "g0", "role": "prefill"}, ip="10.0.0.1"),
+        pod("g0-d", {"group": "g0", "role": "decode"}, ip="10.0.0.2"),
+        pod("g2-p-only", {"group": "g2", "role": "prefill"}),  # group without decode
+        pod("no-role", {"group": "g1"}),  # matches neither role
+        pod("no-group", {"role": "decode"}),  # lacks the group key
+        pod("empty-group", {"group": "", "role": "decode"}),
+    ]
+    snap = build_snapshot(routes=[], servers=[server(pd=PD)], pods=pods)
+    sp = snap.servers[("default", "ms")]
+    assert sp.is_pd and sp.aggregated == ()
+    assert [g.group for g in sp.groups] == ["g0", "g1"]  # g2 has no decode pod
+    g1 = sp.groups[1]
+    assert [e.pod_name for e in g1.prefill] == ["g1-p"]
+    assert [e.pod_name for e in g1.decode] == ["g1-d", "g1-d2"]
+    assert {e.role for e in g1.prefill} == {"prefill"}
+    assert {e.role for e in g1.decode} == {"decode"}
+    assert {e.group for e in (*g1.prefill, *g1.decode)} == {"g1"}
+    assert snap.ambiguous_pod_keys == (
+        "default/empty-group", "default/no-group", "default/no-role",
+    )
+    assert snap.ambiguous_pods == 3
+
+
+def test_pod_matching_both_roles_is_left_out() -> None:
+    pd = PDGroup(group_key="group", prefill_labels={"role": "prefill"},
+                 decode_labels={"tier": "decode"})
+    pods = [
+        pod("both", {"group": "g", "role": "prefill", "tier": "decode"}),
+        pod("p", {"group": "g", "role": "prefill"}),
+        pod("d", {"group": "g", "tier": "decode"}),
+    ]
+    snap = build_snapshot(routes=[], servers=[server(pd=pd)], pods=pods)
+    (group,) = snap.servers[("default", "ms")].groups
+    assert [e.pod_name for e in group.prefill] == ["p"]
+    assert [e.pod_name for e in group.decode] == ["d"]
+    assert snap.ambiguous_pods == 1 and snap.ambiguous_pod_keys == ("default/both",)
+
+
+def test_ambiguous_pod_counted_once_across_servers() -> None:
+    snap = build_snapshot(
+        routes=[], servers=[server("a", pd=PD), server("b", pd=PD)], pods=[pod("x")]
+    )
+    assert snap.ambiguous_pods == 1
+
+
+def test_view_reacts_to_pod_changes() -> None:
+    view = ClusterView()
+    view.apply(server(pd=PD))
+    view.apply(pod("p", {"group": "g", "role": "prefill"}))
+    assert view.snapshot.servers[("default", "ms")].groups == ()
+    view.apply(pod("d", {"group": "g", "role": "decode"}))
+    assert len(view.snapshot.servers[("default", "ms")].groups) == 1
+    view.apply(pod("d", {"group": "g", "role": "decode"}, ready=False))
+    assert view.snapshot.servers[("default", "ms")].groups == ()
+
+
+def test_snapshot_build_scales_to_many_pods() -> None:
+    servers = [server(f"ms{i}", labels={"app": f"a{i}"}, pd=PD) for i in range(50)]
+    pods = [
+        Pod(
+            meta=ObjectMeta(
+                name=f"p{i}",
+                labels={"app": f"a{i % 50}", "group": f"g{i % 7}",
+                        "role": "prefill" if (i // 50) % 2 else "decode"},
+            ),
+            ip=f"10.0.{i // 250}.{i % 250}",
+            ready=True,
+        )
+        for i in range(2000)
+    ]
+    start = time.perf_counter()
+    snap = build_snapshot(routes=[], servers=servers, pods=pods)
+    elapsed = time.perf_counter() - start
+    assert sum(len(g.prefill) + len(g.decode)
+               for s in snap.servers.values() for g in s.groups) == 2000
+    assert elapsed < 0.5

@@ -1,0 +1,47 @@
+# The two commands of the contract: `make demo` and `make test`. Each one sets up
+# everything on a fresh machine first (virtualenv, the package with its extras, Debian
+# libraries the Mooncake wheel needs), then runs.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+
+.PHONY: demo test lint typecheck unit setup sysdeps up bench bench-quick clean
+
+demo: setup
+	$(BIN)/pdgate demo --config config
+
+test: setup lint typecheck
+	$(BIN)/pytest
+
+up: setup
+	$(BIN)/pdgate up --config config
+
+bench: setup
+	$(BIN)/python -m benchmarks
+
+bench-quick: setup
+	$(BIN)/python -m benchmarks --quick
+
+lint: setup
+	$(BIN)/ruff check .
+
+typecheck: setup
+	$(BIN)/mypy
+
+setup: $(STAMP) sysdeps
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[test,sim,bench]'
+	touch $(STAMP)
+
+# Debian packages: libibverbs1 (the Mooncake wheel links it even for TCP) and
+# redis-server (the global rate-limit tests start a real one).
+sysdeps: $(STAMP)
+	@$(BIN)/python -c "import mooncake.store" 2>/dev/null && command -v redis-server >/dev/null \
+		|| sh scripts/install-sysdeps.sh
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

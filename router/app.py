@@ -1,0 +1,186 @@
+"""The ASGI application: a raw-ASGI data path for `/v1/*` POSTs, FastAPI for the rest.
+
+The data path skips frameworks on purpose (a Starlette StreamingResponse costs about 8x
+a raw ASGI stream; see ENGINEERING.md). It reads the body, validates it, and hands it to
+the `Proxy` while a watcher listens on `receive()` for the client going away: uvicorn
+reports a disconnect only there, and on one the request's task is cancelled, which
+cancels prefill and decode upstream and releases the in-flight counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from fastapi import FastAPI, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from router.errors import APIError, method_not_allowed
+from router.proxy import Responder
+from router.request import (
+    CHAT_PATH,
+    COMPLETIONS_PATH,
+    MAX_BODY_BYTES,
+    body_too_large,
+    parse_request,
+)
+from router.state import AppState
+
+log = logging.getLogger("pdgate.app")
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+DATA_PATHS = frozenset((CHAT_PATH, COMPLETIONS_PATH))
+CLIENT_CLOSED = 499  # nginx's code for "client closed the request", for metrics only
+
+
+class PDGateApp:
+    """The ASGI entry point. Owns the lifespan; delegates the control plane to FastAPI."""
+
+    def __init__(self, state: AppState) -> None:
+        self.state = state
+        self.control = build_control_plane(state)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http" and scope["path"] in DATA_PATHS:
+            await self._data(scope, receive, send)
+        elif kind == "lifespan":
+            await self._lifespan(receive, send)
+        else:
+            await self.control(scope, receive, send)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.state.start()
+                except Exception as exc:  # report, let the server exit
+                    log.exception("start-up failed")
+                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.state.stop()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _data(self, scope: Scope, receive: Receive, send: Send) -> None:
+        began = time.perf_counter()
+        out = Responder(send)
+        model = "_unknown"
+        try:
+            if scope["method"] != "POST":
+                raise method_not_allowed(scope["method"])
+            raw = await _read_body(receive)
+            if raw is None:
+                return  # the client left before sending its body
+            parsed = parse_request(scope["path"], raw)
+            headers = {k.decode("latin-1").lower(): v.decode("latin-1")
+                       for k, v in scope["headers"]}
+            if parsed.model in self.state.view.snapshot.routes_by_model:
+                model = parsed.model  # known names only: a client cannot grow label sets
+            await _until_disconnect(self.state.proxy.serve(parsed, headers, out), receive)
+        except APIError as exc:
+            if not out.started:
+                await out.error(exc)
+        except ClientGone:
+            out.status = CLIENT_CLOSED
+        except Exception:
+            log.exception("unexpected error serving %s", scope["path"])
+            if not out.started:
+                await out.error(APIError(500, "Internal error.", type="internal_error"))
+        finally:
+            self.state.metrics.request_done(
+                model, out.status or CLIENT_CLOSED, time.perf_counter() - began
+            )
+
+
+class ClientGone(Exception):
+    """The client disconnected; the request was cancelled upstream."""
+
+
+async def _read_body(receive: Receive) -> bytes | None:
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise body_too_large()
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def _until_disconnect(work: Awaitable[None], receive: Receive) -> None:
+    """Run `work`, cancelling it if the client disconnects meanwhile."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        watcher.cancel()
+        raise
+    if task.done():
+        watcher.cancel()
+        task.result()
+        return
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    raise ClientGone
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def build_control_plane(state: AppState) -> FastAPI:
+    """Models, health, readiness and metrics: cheap endpoints, framework welcome."""
+    app = FastAPI(title="pdgate", version="0.1.0")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        created = int(state.started_at)
+        return {
+            "object": "list",
+            "data": [
+                {"id": name, "object": "model", "created": created, "owned_by": "pdgate"}
+                for name in state.view.snapshot.model_names()
+            ],
+        }
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz() -> JSONResponse:
+        ready = state.ready
+        return JSONResponse(
+            {"ready": ready, "synced": state.synced, "draining": state.draining},
+            status_code=200 if ready else 503,
+        )
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        state.refresh_gauges()
+        return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,107 @@
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}`.
+
+Every failure a client can see is an `APIError`; it carries the HTTP status and renders
+itself once. Messages never contain internal addresses or upstream bodies.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+
+class APIError(Exception):
+    """An error answered to the client with `status` and an OpenAI error body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> bytes:
+        return orjson.dumps(self.payload())
+
+    def payload(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def sse_event(self) -> bytes:
+        """The mid-stream form: one `data:` event with the error, then `[DONE]`."""
+        return b"data: " + self.body() + b"\n\ndata: [DONE]\n\n"
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def model_not_found(model: str) -> APIError:
+    return APIError(
+        404,
+        f"The model `{model}` does not exist.",
+        type="invalid_request_error",
+        param="model",
+        code="model_not_found",
+    )
+
+
+def service_unavailable(message: str, retry_after: int | None = None) -> APIError:
+    headers = {"retry-after": str(retry_after)} if retry_after is not None else None
+    return APIError(503, message, type="service_unavailable", code="no_capacity", headers=headers)
+
+
+def bad_gateway(message: str, code: str = "upstream_error") -> APIError:
+    return APIError(502, message, type="upstream_error", code=code)
+
+
+def gateway_timeout(message: str = "The request timed out upstream.") -> APIError:
+    return APIError(504, message, type="timeout", code="upstream_timeout")
+
+
+def not_found(path: str) -> APIError:
+    return APIError(404, f"Unknown path `{path}`.", code="not_found")
+
+
+def method_not_allowed(method: str) -> APIError:
+    return APIError(405, f"Method {method} is not allowed here.", code="method_not_allowed")
+
+
+def upstream_message(body: bytes) -> str | None:
+    """The `message` of an engine's error body, in either shape engines send.
+
+    Current vLLM nests `{"error": {"message": ...}}`; older vLLM and SGLang send a flat
+    `{"object": "error", "message": ...}`. Returns None for anything else.
+    """
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(data, dict):
+        return None
+    inner = data.get("error")
+    if isinstance(inner, dict) and isinstance(inner.get("message"), str):
+        return str(inner["message"])
+    if isinstance(inner, str):
+        return inner
+    if isinstance(data.get("message"), str):
+        return str(data["message"])
+    return None

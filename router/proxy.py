@@ -1,0 +1,357 @@
+"""Serving one request: route, pick a pair, run the KV connector, stream decode back.
+
+The flow of one attempt:
+
+    pick pair -> count it in flight -> connector.start (prefill, KV handle)
+              -> open decode -> relay decode's answer to the client
+
+Failures before the first byte reaches the client are retried per the ModelServer's
+trafficPolicy on a freshly picked pair that avoids the failed pod; after the first
+byte a failure ends the stream with an OpenAI error event and `[DONE]`, never a second,
+spliced answer. `trafficPolicy.timeout` bounds the whole request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_fixed
+
+from kv_connectors import get_connector
+from kv_connectors.base import Handoff, KVConnector, PDCall, UpstreamError
+from router.errors import (
+    APIError,
+    bad_gateway,
+    gateway_timeout,
+    model_not_found,
+    service_unavailable,
+)
+from router.load import InFlight
+from router.metrics import RouterMetrics
+from router.request import ParsedRequest
+from router.routing import ModelNotFound, NoRoute, RouteDecision, resolve
+from router.scheduling import Pick, Scheduler, ScheduleRequest
+from router.upstream import MAX_JSON_BODY_BYTES, Upstream
+from router.view import ClusterView, ServerPods
+
+log = logging.getLogger("pdgate.proxy")
+
+DEFAULT_TIMEOUT_SECONDS = 600.0
+# Client headers worth passing to engines; everything else (hop-by-hop headers, cookies,
+# the client's Authorization unless a ModelServer asks for it) stays at the router.
+FORWARDED_HEADERS = ("accept", "x-data-parallel-rank", "traceparent", "tracestate")
+FORWARD_AUTH_ANNOTATION = "pdgate.io/forward-authorization"
+
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+class Responder:
+    """Wraps the ASGI `send`, remembering whether the client has seen any byte."""
+
+    __slots__ = ("_send", "started", "status")
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+        self.started = False
+        self.status = 0
+
+    async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        self.started = True
+        self.status = status
+        await self._send({"type": "http.response.start", "status": status, "headers": headers})
+
+    async def body(self, data: bytes, more: bool = False) -> None:
+        await self._send({"type": "http.response.body", "body": data, "more_body": more})
+
+    async def error(self, error: APIError, request_id: str | None = None) -> None:
+        headers = [(b"content-type", b"application/json")]
+        if request_id:
+            headers.append((b"x-request-id", request_id.encode()))
+        headers.extend((k.encode(), v.encode()) for k, v in error.headers.items())
+        await self.start(error.status, headers)
+        await self.body(error.body())
+
+
+@dataclass(slots=True)
+class Attempt:
+    """What one attempt needs besides the pick; built once per request."""
+
+    parsed: ParsedRequest
+    decision: RouteDecision
+    connector: KVConnector
+    request_id: str
+    headers: dict[str, str]
+    deadline: float
+
+
+class Proxy:
+    def __init__(
+        self,
+        view: ClusterView,
+        scheduler: Scheduler,
+        inflight: InFlight,
+        upstream: Upstream,
+        metrics: RouterMetrics,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.view = view
+        self.scheduler = scheduler
+        self.inflight = inflight
+        self.upstream = upstream
+        self.metrics = metrics
+        self.rng = rng or random.Random()
+
+    async def serve(
+        self, parsed: ParsedRequest, client_headers: Mapping[str, str], out: Responder
+    ) -> None:
+        """Answer one request, with the decode pod's answer or an OpenAI error."""
+        request_id = client_headers.get("x-request-id") or uuid.uuid4().hex
+        try:
+            decision = resolve(
+                self.view.snapshot, parsed.model, client_headers, parsed.path, self.rng
+            )
+        except ModelNotFound:
+            await out.error(model_not_found(parsed.model), request_id)
+            return
+        except NoRoute as exc:
+            await out.error(service_unavailable(f"No route serves model `{parsed.model}`: "
+                                                f"{exc.reason}."), request_id)
+            return
+        server = decision.server.server
+        parsed.body["model"] = decision.upstream_model
+        try:
+            connector = get_connector(
+                server.kv_connector, server.inference_engine, server.meta.annotations
+            )
+        except ValueError as exc:
+            log.warning("ModelServer %s/%s: %s", server.meta.namespace, server.meta.name, exc)
+            await out.error(service_unavailable(
+                f"The server for model `{parsed.model}` is misconfigured."), request_id)
+            return
+        loop = asyncio.get_running_loop()
+        attempt = Attempt(
+            parsed=parsed,
+            decision=decision,
+            connector=connector,
+            request_id=request_id,
+            headers=_upstream_headers(client_headers, request_id, server.meta.annotations),
+            deadline=loop.time() + (server.timeout_s or DEFAULT_TIMEOUT_SECONDS),
+        )
+        try:
+            async with asyncio.timeout_at(attempt.deadline):
+                await self._serve_with_retries(attempt, out)
+        except TimeoutError:
+            self.metrics.upstream_error("timeout", "request")
+            await self._fail(out, gateway_timeout(), request_id)
+        except APIError as exc:
+            await self._fail(out, exc, request_id)
+
+    async def _fail(self, out: Responder, error: APIError, request_id: str) -> None:
+        if out.started:
+            await out.body(error.sse_event())
+        else:
+            await out.error(error, request_id)
+
+    async def _serve_with_retries(self, attempt: Attempt, out: Responder) -> None:
+        server = attempt.decision.server
+        policy = server.server
+        avoid: set[str] = set()
+        try:
+            await self._attempt(attempt, server, avoid, out)
+            return
+        except UpstreamError as exc:
+            if out.started or not exc.retryable or policy.retry_attempts < 1:
+                raise _client_error(exc) from None
+            self._note_failure(exc, avoid, attempt)
+        # Retries only: tenacity stays off the success path (it costs ~20 µs a call).
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(policy.retry_attempts),
+            wait=wait_fixed(policy.retry_interval_s),
+            retry=retry_if_exception(
+                lambda e: isinstance(e, UpstreamError) and e.retryable and not out.started
+            ),
+            before_sleep=lambda state: self._note_retry_sleep(state.outcome, avoid, attempt),
+            reraise=True,
+        )
+        await asyncio.sleep(policy.retry_interval_s)
+        try:
+            async for trial in retrying:
+                with trial:
+                    await self._attempt(attempt, server, avoid, out)
+        except UpstreamError as exc:
+            raise _client_error(exc) from None
+
+    def _note_retry_sleep(self, outcome: Any, avoid: set[str], attempt: Attempt) -> None:
+        exc = outcome.exception() if outcome is not None else None
+        if isinstance(exc, UpstreamError):
+            self._note_failure(exc, avoid, attempt)
+
+    def _note_failure(self, exc: UpstreamError, avoid: set[str], attempt: Attempt) -> None:
+        pod = exc.pod
+        if pod is not None and hasattr(pod, "key"):
+            avoid.add(pod.key)
+        self.metrics.retry(attempt.parsed.model, exc.phase)
+        log.info("request %s: retrying after %s in %s", attempt.request_id, exc.reason,
+                 exc.phase)
+
+    async def _attempt(
+        self, attempt: Attempt, server: ServerPods, avoid: set[str], out: Responder
+    ) -> None:
+        parsed = attempt.parsed
+        request = ScheduleRequest(parsed.model, parsed.path, parsed.body, attempt.headers)
+        pick = self.scheduler.pick(server, request, frozenset(avoid))
+        if pick is None:
+            raise service_unavailable(
+                f"No ready pods serve model `{parsed.model}`.", retry_after=1
+            )
+        with self.inflight.holding(*pick.endpoints):
+            try:
+                await self._run_pick(attempt, pick, out)
+            except UpstreamError as exc:
+                self.metrics.upstream_error(exc.reason, exc.phase)
+                raise
+
+    async def _run_pick(self, attempt: Attempt, pick: Pick, out: Responder) -> None:
+        parsed = attempt.parsed
+        handoff: Handoff | None = None
+        started = time.perf_counter()
+        if pick.prefill is not None:
+            call = PDCall(
+                path=parsed.path,
+                body=parsed.body,
+                headers=attempt.headers,
+                request_id=attempt.request_id,
+                prefill=pick.prefill,
+                decode=pick.decode,
+                deadline=attempt.deadline,
+                annotations=attempt.decision.server.server.meta.annotations,
+            )
+            handoff = await attempt.connector.start(call, self.upstream)
+            if handoff.prefill_task is None:
+                self.metrics.phase_done("prefill", time.perf_counter() - started)
+        decode_body = parsed.body if handoff is None else handoff.decode_body
+        phase = "aggregated" if pick.prefill is None else "decode"
+        decode_started = time.perf_counter()
+        try:
+            response = await self._open_decode(attempt, pick, decode_body, handoff)
+            try:
+                await self._relay(attempt, pick, response, out)
+            finally:
+                response.close()
+        finally:
+            if handoff is not None and handoff.prefill_task is not None:
+                await _finish_prefill(handoff.prefill_task)
+        self.metrics.phase_done(phase, time.perf_counter() - decode_started)
+
+    async def _open_decode(
+        self,
+        attempt: Attempt,
+        pick: Pick,
+        body: dict[str, Any],
+        handoff: Handoff | None,
+    ) -> aiohttp.ClientResponse:
+        phase = "aggregated" if pick.prefill is None else "decode"
+        opening = self.upstream.open(
+            pick.decode, attempt.parsed.path, orjson.dumps(body), attempt.headers,
+            attempt.deadline, phase,
+        )
+        prefill_task = handoff.prefill_task if handoff is not None else None
+        if prefill_task is None:
+            return await opening
+        # Concurrent rendezvous: a failed prefill leaves decode waiting for KV that will
+        # never come, so watch both and give up on decode as soon as prefill fails.
+        decode_task = asyncio.ensure_future(opening)
+        try:
+            await asyncio.wait({decode_task, prefill_task}, return_when=asyncio.FIRST_COMPLETED)
+            if prefill_task.done() and prefill_task.exception() is not None:
+                decode_task.cancel()
+                raise prefill_task.exception()  # type: ignore[misc]
+            return await decode_task
+        except BaseException:
+            decode_task.cancel()
+            raise
+
+    async def _relay(
+        self, attempt: Attempt, pick: Pick, response: aiohttp.ClientResponse, out: Responder
+    ) -> None:
+        parsed = attempt.parsed
+        headers = [
+            (b"content-type", response.headers.get("content-type", "application/json").encode()),
+            (b"x-request-id", attempt.request_id.encode()),
+            (b"x-pdgate-decode-pod", pick.decode.pod_name.encode()),
+        ]
+        if pick.prefill is not None:
+            headers.append((b"x-pdgate-prefill-pod", pick.prefill.pod_name.encode()))
+        if not parsed.stream:
+            try:
+                raw = await response.content.read(MAX_JSON_BODY_BYTES)
+            except (aiohttp.ClientError, asyncio.IncompleteReadError):
+                raise UpstreamError(
+                    "disconnect", "The engine dropped the response.", retryable=True,
+                    pod=pick.decode, phase="decode",
+                ) from None
+            await out.start(response.status, headers)
+            await out.body(raw)
+            return
+        began = time.perf_counter()
+        first = True
+        try:
+            async for chunk in response.content.iter_any():
+                if first:
+                    await out.start(response.status, headers)
+                    self.metrics.first_byte(parsed.model, time.perf_counter() - began)
+                    first = False
+                await out.body(chunk, more=True)
+        except aiohttp.ClientError:
+            if not out.started:
+                raise UpstreamError(
+                    "disconnect", "The engine dropped the stream.", retryable=True,
+                    pod=pick.decode, phase="decode",
+                ) from None
+            self.metrics.upstream_error("disconnect", "decode")
+            await out.body(bad_gateway("The engine dropped the stream.").sse_event(), more=True)
+        if not out.started:
+            raise UpstreamError(
+                "empty_response", "The engine closed the stream without data.",
+                retryable=True, pod=pick.decode, phase="decode",
+            )
+        await out.body(b"")
+
+
+async def _finish_prefill(task: asyncio.Task[Any]) -> None:
+    if not task.done():
+        task.cancel()
+    try:
+        await task
+    except (asyncio.CancelledError, UpstreamError):
+        pass
+
+
+def _client_error(exc: UpstreamError) -> APIError:
+    if exc.reason == "timeout":
+        return gateway_timeout(exc.message)
+    if exc.status is not None and 400 <= exc.status < 500 and not exc.retryable:
+        return APIError(exc.status, exc.message, code="upstream_rejected")
+    return bad_gateway(exc.message, code=exc.reason)
+
+
+def _upstream_headers(
+    client: Mapping[str, str], request_id: str, annotations: Mapping[str, str]
+) -> dict[str, str]:
+    headers = {"content-type": "application/json", "x-request-id": request_id}
+    for name in FORWARDED_HEADERS:
+        value = client.get(name)
+        if value is not None:
+            headers[name] = value
+    if annotations.get(FORWARD_AUTH_ANNOTATION) == "true" and "authorization" in client:
+        headers["authorization"] = client["authorization"]
+    return headers

@@ -1,0 +1,106 @@
+"""Everything one router process holds, built once and passed in (no module globals)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry
+
+from router.load import InFlight
+from router.metrics import RouterMetrics
+from router.proxy import Proxy
+from router.scheduling import Scheduler
+from router.scheduling.least_request import LeastRequestScheduler
+from router.sources.base import Source
+from router.upstream import Upstream
+from router.view import ClusterView, Endpoint, ServerPods, Snapshot
+
+log = logging.getLogger("pdgate.state")
+
+
+@dataclass(slots=True)
+class RouterConfig:
+    """How a router process is wired: where objects come from, how pods are chosen."""
+
+    config_dir: Path | None = None
+    kubernetes: bool = False
+    namespace: str | None = None
+    kubeconfig: str | None = None
+    scheduler_config: Path | None = None
+    extra_sources: list[Source] = field(default_factory=list)
+
+
+class AppState:
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.registry = CollectorRegistry()
+        self.metrics = RouterMetrics(self.registry)
+        self.view = ClusterView()
+        self.inflight = InFlight(self.registry)
+        self.upstream = Upstream()
+        self.scheduler: Scheduler = LeastRequestScheduler(self.inflight)
+        self.proxy = Proxy(self.view, self.scheduler, self.inflight, self.upstream, self.metrics)
+        self.sources: list[Source] = list(config.extra_sources)
+        self.draining = False
+        self.started_at = time.time()
+        self._tasks: list[asyncio.Task[None]] = []
+        self.view.subscribe(self._on_snapshot)
+
+    def _on_snapshot(self, snapshot: Snapshot) -> None:
+        present = {
+            endpoint.key
+            for server in snapshot.servers.values()
+            for endpoint in _endpoints(server)
+        }
+        self.inflight.forget_absent(present)
+        self.metrics.ambiguous_pods.set(snapshot.ambiguous_pods)
+
+    @property
+    def synced(self) -> bool:
+        return bool(self.sources) and all(source.synced for source in self.sources)
+
+    @property
+    def ready(self) -> bool:
+        return self.synced and not self.draining
+
+    def refresh_gauges(self) -> None:
+        self.metrics.ready.set(1 if self.ready else 0)
+
+    async def start(self) -> None:
+        if self.config.config_dir is not None:
+            from router.sources.files import FileSource
+
+            self.sources.append(FileSource(self.config.config_dir))
+        if self.config.kubernetes:
+            from router.sources.kubernetes import KubernetesSource
+
+            self.sources.append(
+                KubernetesSource(
+                    namespace=self.config.namespace,
+                    kubeconfig=self.config.kubeconfig,
+                    registry=self.registry,
+                )
+            )
+        for source in self.sources:
+            self._tasks.append(asyncio.create_task(source.run(self.view)))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        await self.upstream.close()
+
+
+def _endpoints(server: ServerPods) -> list[Endpoint]:
+    pods = list(server.aggregated)
+    for group in server.groups:
+        pods.extend(group.prefill)
+        pods.extend(group.decode)
+    return pods

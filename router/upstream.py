@@ -1,0 +1,189 @@
+"""The one place the router talks HTTP to engines (aiohttp).
+
+aiohttp costs a fraction of httpx's client CPU per request (see ENGINEERING.md), so the
+data path uses it behind this small module. Every failure becomes an `UpstreamError`
+whose message is safe for a client: no address, no upstream body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import Any
+
+import aiohttp
+import orjson
+
+from kv_connectors.base import PodAddress, UpstreamError
+from router.errors import upstream_message
+
+MAX_CONNECTIONS = 1024
+MAX_CONNECTIONS_PER_POD = 256
+# vLLM closes idle keep-alive connections after 5 s; close ours first.
+KEEPALIVE_SECONDS = 4.0
+CONNECT_TIMEOUT_SECONDS = 5.0
+MAX_ERROR_BODY_BYTES = 64 * 1024
+MAX_JSON_BODY_BYTES = 64 * 1024 * 1024
+
+
+class Upstream:
+    """An aiohttp session with named bounds, plus the calls the proxy and connectors make."""
+
+    def __init__(self) -> None:
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            connector = aiohttp.TCPConnector(
+                limit=MAX_CONNECTIONS,
+                limit_per_host=MAX_CONNECTIONS_PER_POD,
+                keepalive_timeout=KEEPALIVE_SECONDS,
+                ttl_dns_cache=None,
+            )
+            self._session = aiohttp.ClientSession(
+                connector=connector,
+                auto_decompress=False,
+                # total=None: our own deadline bounds each request; aiohttp's default
+                # total of 300 s would cut long streams.
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_SECONDS),
+                skip_auto_headers=("User-Agent",),
+            )
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def open(
+        self,
+        pod: PodAddress,
+        path: str,
+        body: bytes,
+        headers: Mapping[str, str],
+        deadline: float,
+        phase: str,
+    ) -> aiohttp.ClientResponse:
+        """POST and return the response once its status is 2xx (the caller releases it).
+
+        Non-2xx answers are read (bounded), released and raised as `UpstreamError`.
+        """
+        timeout = _remaining(deadline, phase, pod)
+        try:
+            response = await self.session.post(
+                pod.base_url + path,
+                data=body,
+                headers=headers,
+                timeout=aiohttp.ClientTimeout(
+                    total=None, sock_connect=min(CONNECT_TIMEOUT_SECONDS, timeout)
+                ),
+            )
+        except TimeoutError:
+            raise UpstreamError(
+                "timeout", "The engine did not answer in time.", retryable=True,
+                pod=pod, phase=phase,
+            ) from None
+        except aiohttp.ClientError as exc:
+            raise _connect_error(exc, pod, phase) from None
+        if response.status >= 300:
+            try:
+                raw = await response.content.read(MAX_ERROR_BODY_BYTES)
+            except (TimeoutError, aiohttp.ClientError):
+                raw = b""
+            finally:
+                response.release()
+            raise status_error(response.status, raw, pod, phase)
+        return response
+
+    async def post_json(
+        self,
+        pod: PodAddress,
+        path: str,
+        body: Mapping[str, Any],
+        headers: Mapping[str, str],
+        deadline: float,
+    ) -> dict[str, Any]:
+        """One JSON request answered by a JSON object (the prefill call).
+
+        The caller's deadline (`asyncio.timeout_at` around the whole request) bounds it.
+        """
+        response = await self.open(pod, path, orjson.dumps(body), headers, deadline, "prefill")
+        try:
+            raw = await response.read()
+        except aiohttp.ClientError as exc:
+            raise _connect_error(exc, pod, "prefill") from None
+        finally:
+            response.release()
+        return _json_object(raw, pod, "prefill")
+
+    async def get_json(self, url: str, headers: Mapping[str, str], deadline: float) -> Any:
+        """A small GET answered by JSON (e.g. a prefill engine's bootstrap `/query`)."""
+        timeout = _remaining(deadline, "prefill", None)
+        try:
+            async with self.session.get(
+                url, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout)
+            ) as response:
+                raw = await response.content.read(MAX_ERROR_BODY_BYTES)
+                if response.status >= 300:
+                    raise status_error(response.status, raw, None, "prefill")
+        except TimeoutError:
+            raise UpstreamError(
+                "timeout", "The engine did not answer in time.", retryable=True, phase="prefill"
+            ) from None
+        except aiohttp.ClientError as exc:
+            raise _connect_error(exc, None, "prefill") from None
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            raise UpstreamError(
+                "bad_response", "The engine answered with invalid JSON.", retryable=True,
+                phase="prefill",
+            ) from None
+
+
+def status_error(status: int, raw: bytes, pod: PodAddress | None, phase: str) -> UpstreamError:
+    """Turn an engine's non-2xx answer into an error; 4xx keeps the engine's message.
+
+    A 4xx means the engine refused the client's input, so its message helps the client;
+    a 5xx message may carry internals and is replaced by a generic one.
+    """
+    if 400 <= status < 500 and status not in (408, 429):
+        message = upstream_message(raw) or f"The engine refused the request ({status})."
+        return UpstreamError(
+            f"status_{status}", message, retryable=False, status=status, pod=pod, phase=phase
+        )
+    return UpstreamError(
+        "status_5xx" if status >= 500 else f"status_{status}",
+        f"The engine failed during {phase} ({status}).",
+        retryable=True, status=status, pod=pod, phase=phase,
+    )
+
+
+def _json_object(raw: bytes, pod: PodAddress, phase: str) -> dict[str, Any]:
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        data = None
+    if not isinstance(data, dict):
+        raise UpstreamError(
+            "bad_response", f"The engine sent an invalid {phase} response.", retryable=True,
+            pod=pod, phase=phase,
+        )
+    return data
+
+
+def _connect_error(exc: Exception, pod: PodAddress | None, phase: str) -> UpstreamError:
+    return UpstreamError(
+        "connect", f"Could not reach the engine for {phase}.", retryable=True, pod=pod,
+        phase=phase,
+    )
+
+
+def _remaining(deadline: float, phase: str, pod: PodAddress | None) -> float:
+    left = deadline - asyncio.get_running_loop().time()
+    if left <= 0:
+        raise UpstreamError(
+            "timeout", "The request timed out upstream.", retryable=False, pod=pod, phase=phase
+        )
+    return left

@@ -1,0 +1,36 @@
+"""What the prefix cache reports when blocks enter or leave it.
+
+These mirror vLLM's KV events (`BlockStored`, `BlockRemoved`, `AllBlocksCleared`) so that a
+publisher can later put them on ZMQ unchanged in meaning; the cache only calls a sink.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    """Consecutive blocks of one prompt became cached; `parent_block_hash` precedes the first."""
+
+    block_hashes: tuple[int, ...]
+    parent_block_hash: int | None
+    token_ids: tuple[int, ...]
+    block_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """Blocks were evicted from the cache."""
+
+    block_hashes: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    """The whole cache was reset."""
+
+
+CacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
+CacheEventSink = Callable[[CacheEvent], None]

@@ -1,0 +1,204 @@
+"""`python -m engine_sim`: parse flags, run one simulated engine, stop cleanly on SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+import uuid
+from collections.abc import Callable, Sequence
+from typing import cast
+
+from engine_sim.block_hash import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_SEED
+from engine_sim.config import Role, SimConfig
+from engine_sim.kv_blocks import DEFAULT_KV_BLOCK_BYTES
+from engine_sim.kvstore import (
+    DEFAULT_GLOBAL_SEGMENT_BYTES,
+    DEFAULT_LOCAL_BUFFER_BYTES,
+    KVStoreError,
+)
+from engine_sim.latency import LatencyModel
+from engine_sim.prefix_cache import DEFAULT_CAPACITY_BLOCKS
+from engine_sim.scheduler import DEFAULT_MAX_WAITING
+from engine_sim.service import serve
+from engine_sim.stats import DEFAULT_RECENT_RECORDS
+
+_WILDCARD_HOSTS = ("", "0.0.0.0", "::")
+_MIB = 1 << 20
+
+
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Show defaults that exist (argparse's own formatter also prints 'default: None')."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.default not in (None, False, argparse.SUPPRESS) and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults = LatencyModel()
+    parser = argparse.ArgumentParser(
+        prog="python -m engine_sim",
+        description="A vLLM look-alike engine that moves KV through a real Mooncake Store.",
+        formatter_class=_DefaultsFormatter,
+    )
+    add = parser.add_argument
+    add("--role", choices=("prefill", "decode", "both"), required=True, help="PD role")
+    add("--port", type=int, required=True, help="HTTP port (0: any free port, see --port-file)")
+    add("--host", default="127.0.0.1", help="address to listen on")
+    add("--advertise-host", help="host put in KV handles (default: --host, or $POD_IP)")
+    add("--model", required=True, help="served model name")
+    add("--mooncake-master", help="Mooncake master RPC address HOST:PORT")
+    add("--metadata-server", help="Mooncake metadata URL, e.g. http://127.0.0.1:8080/metadata")
+    add("--engine-id", help="engine id in KV handles (default: a random uuid)")
+    add("--pod-name", help="pod name in /sim/stats (default: $POD_NAME or the hostname)")
+    add("--fast", action="store_true", help="zero every simulated latency")
+    add(
+        "--prefill-overhead-ms",
+        type=float,
+        default=defaults.prefill_overhead_s * 1e3,
+        help="fixed prefill cost",
+    )
+    add(
+        "--prefill-per-token-ms",
+        type=float,
+        default=defaults.prefill_per_token_s * 1e3,
+        help="prefill cost per prompt token not found in the prefix cache or the KV store",
+    )
+    add("--itl-ms", type=float, default=defaults.itl_base_s * 1e3, help="base inter-token latency")
+    add(
+        "--itl-per-running-ms",
+        type=float,
+        default=defaults.itl_per_running_s * 1e3,
+        help="inter-token latency added per running request",
+    )
+    add("--max-num-seqs", type=int, default=256, help="requests running at once")
+    add("--max-waiting", type=int, default=DEFAULT_MAX_WAITING, help="waiting-queue bound (503)")
+    add("--kv-capacity-blocks", type=int, default=DEFAULT_CAPACITY_BLOCKS, help="KV cache size")
+    add("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV block")
+    add(
+        "--kv-block-bytes",
+        type=int,
+        default=DEFAULT_KV_BLOCK_BYTES,
+        help="bytes of one simulated KV block in the store",
+    )
+    add("--hash-seed", default=DEFAULT_HASH_SEED, help="root seed of block hashes")
+    add(
+        "--block-ids-per-group",
+        action="store_true",
+        help="emit remote_block_ids as one list per KV group ([[...]]), as newer vLLM does",
+    )
+    add("--max-model-len", type=int, default=32_768, help="prompt + output token limit")
+    add("--default-max-tokens", type=int, default=16, help="output length without max_tokens")
+    add(
+        "--global-segment-mib",
+        type=int,
+        default=DEFAULT_GLOBAL_SEGMENT_BYTES // _MIB,
+        help="memory this pod contributes to the Mooncake Store",
+    )
+    add(
+        "--local-buffer-mib",
+        type=int,
+        default=DEFAULT_LOCAL_BUFFER_BYTES // _MIB,
+        help="Mooncake client transfer buffer",
+    )
+    add("--recent-records", type=int, default=DEFAULT_RECENT_RECORDS, help="/sim/stats ring size")
+    add("--keep-alive-timeout", type=float, default=5.0, help="idle keep-alive seconds")
+    add("--port-file", help="write the bound port to this file once serving")
+    add("--log-level", default="info", help="Python logging level")
+    return parser
+
+
+def parse_config(argv: Sequence[str] | None = None) -> SimConfig:
+    """Flags to a `SimConfig` (exits with usage on bad flags)."""
+    return _parse(argv)[0]
+
+
+def _parse(argv: Sequence[str] | None) -> tuple[SimConfig, argparse.Namespace]:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if (args.mooncake_master is None) != (args.metadata_server is None):
+        parser.error("--mooncake-master and --metadata-server go together")
+    if args.role != "both" and args.mooncake_master is None:
+        parser.error(f"--role {args.role} needs --mooncake-master and --metadata-server")
+    for name in ("max_num_seqs", "kv_capacity_blocks", "block_size", "kv_block_bytes"):
+        if getattr(args, name) <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be positive")
+    latency = (
+        LatencyModel.fast()
+        if args.fast
+        else LatencyModel(
+            prefill_overhead_s=args.prefill_overhead_ms / 1e3,
+            prefill_per_token_s=args.prefill_per_token_ms / 1e3,
+            itl_base_s=args.itl_ms / 1e3,
+            itl_per_running_s=args.itl_per_running_ms / 1e3,
+        )
+    )
+    advertise = args.advertise_host or (
+        os.environ.get("POD_IP", "127.0.0.1") if args.host in _WILDCARD_HOSTS else args.host
+    )
+    config = SimConfig(
+        role=cast(Role, args.role),
+        model=args.model,
+        port=args.port,
+        host=args.host,
+        advertise_host=advertise,
+        engine_id=args.engine_id or str(uuid.uuid4()),
+        pod_name=args.pod_name or os.environ.get("POD_NAME") or socket.gethostname(),
+        mooncake_master=args.mooncake_master,
+        metadata_server=args.metadata_server,
+        global_segment_bytes=args.global_segment_mib * _MIB,
+        local_buffer_bytes=args.local_buffer_mib * _MIB,
+        block_size=args.block_size,
+        kv_capacity_blocks=args.kv_capacity_blocks,
+        kv_block_bytes=args.kv_block_bytes,
+        hash_seed=args.hash_seed,
+        block_ids_per_group=args.block_ids_per_group,
+        max_num_seqs=args.max_num_seqs,
+        max_waiting=args.max_waiting,
+        max_model_len=args.max_model_len,
+        default_max_tokens=args.default_max_tokens,
+        latency=latency,
+        recent_records=args.recent_records,
+        keep_alive_timeout_s=args.keep_alive_timeout,
+        port_file=args.port_file,
+    )
+    return config, args
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return cast(Callable[[], asyncio.AbstractEventLoop], uvloop.new_event_loop)
+
+
+async def _run(config: SimConfig) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await serve(config, stop)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one engine; 0 after a clean stop, 1 when the KV store cannot be reached."""
+    config, args = _parse(argv)
+    logging.basicConfig(
+        level=str(args.log_level).upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            runner.run(_run(config))
+    except KVStoreError as exc:
+        print(f"engine_sim: {exc}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,44 @@
+"""Everything one simulated engine is started with (filled from the command line)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from engine_sim.block_hash import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_SEED
+from engine_sim.kv_blocks import DEFAULT_KV_BLOCK_BYTES
+from engine_sim.kvstore import DEFAULT_GLOBAL_SEGMENT_BYTES, DEFAULT_LOCAL_BUFFER_BYTES
+from engine_sim.latency import LatencyModel
+from engine_sim.prefix_cache import DEFAULT_CAPACITY_BLOCKS
+from engine_sim.scheduler import DEFAULT_MAX_WAITING
+from engine_sim.stats import DEFAULT_RECENT_RECORDS
+
+Role = Literal["prefill", "decode", "both"]
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    role: Role
+    model: str
+    port: int
+    host: str = "127.0.0.1"
+    advertise_host: str = "127.0.0.1"
+    engine_id: str = "engine-sim"
+    pod_name: str = "engine-sim"
+    mooncake_master: str | None = None
+    metadata_server: str | None = None
+    global_segment_bytes: int = DEFAULT_GLOBAL_SEGMENT_BYTES
+    local_buffer_bytes: int = DEFAULT_LOCAL_BUFFER_BYTES
+    block_size: int = DEFAULT_BLOCK_SIZE
+    kv_capacity_blocks: int = DEFAULT_CAPACITY_BLOCKS
+    kv_block_bytes: int = DEFAULT_KV_BLOCK_BYTES
+    hash_seed: str = DEFAULT_HASH_SEED
+    block_ids_per_group: bool = False
+    max_num_seqs: int = 256
+    max_waiting: int = DEFAULT_MAX_WAITING
+    max_model_len: int = 32_768
+    default_max_tokens: int = 16
+    latency: LatencyModel = field(default_factory=LatencyModel)
+    recent_records: int = DEFAULT_RECENT_RECORDS
+    keep_alive_timeout_s: float = 5.0  # vLLM (uvicorn) closes idle connections after 5 s
+    port_file: str | None = None

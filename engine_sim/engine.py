@@ -1,0 +1,231 @@
+"""The simulated engine: admission, prefill (local, cached or from the store), token pacing.
+
+One `Engine` per process owns the prefix cache, the scheduler, the stats and the metrics;
+HTTP handling (`server.py`) only parses, calls `Engine.run` and formats.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from engine_sim.block_hash import BlockHashMemo
+from engine_sim.cache_events import CacheEventSink
+from engine_sim.config import SimConfig
+from engine_sim.generation import local_seed, output_pieces, store_seed
+from engine_sim.kv_params import TransferMode, TransferPlan, build_prefill_handle
+from engine_sim.kv_transfer import KVTransferError, StoreKVTransfer
+from engine_sim.kvstore import KVStore
+from engine_sim.latency import pause
+from engine_sim.metrics import EngineMetrics
+from engine_sim.prefix_cache import CacheLease, PrefixCache
+from engine_sim.protocol import Limits, ParsedRequest
+from engine_sim.scheduler import Scheduler
+from engine_sim.stats import RecordKind, RequestRecord, SimStats
+from engine_sim.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+_KIND: dict[TransferMode, RecordKind] = {
+    TransferMode.NONE: "both",
+    TransferMode.EXPORT: "prefill",
+    TransferMode.IMPORT: "decode",
+    TransferMode.INCOMPLETE: "decode",
+}
+
+# vLLM's null block id: stands for blocks the simulated cache had no room to hold.
+_NULL_BLOCK_ID = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """A prefilled request, ready to emit its tokens."""
+
+    pieces: list[str]
+    prompt_tokens: int
+    cached_tokens: int
+    kv_from_store: bool
+    kv_transfer_params: dict[str, Any] | None
+
+
+class Engine:
+    """Serves parsed requests; see the module docstring."""
+
+    def __init__(
+        self, config: SimConfig, store: KVStore | None, on_cache_event: CacheEventSink | None = None
+    ) -> None:
+        self.config = config
+        self.tokenizer = Tokenizer()
+        self.limits = Limits(config.model, config.max_model_len, config.default_max_tokens)
+        self.block_hashes = BlockHashMemo(config.block_size, config.hash_seed)
+        self.cache = PrefixCache(config.kv_capacity_blocks, config.block_size, on_cache_event)
+        self.scheduler = Scheduler(config.max_num_seqs, config.max_waiting)
+        self.transfer = (
+            StoreKVTransfer(store, config.model, config.kv_block_bytes) if store else None
+        )
+        self.stats = SimStats(config.recent_records)
+        self.metrics = EngineMetrics(
+            config.model,
+            running=lambda: self.scheduler.running,
+            waiting=lambda: self.scheduler.waiting,
+            kv_usage=self.cache.usage,
+        )
+        self.latency = config.latency
+        self.address = (config.advertise_host, config.port)  # updated once the port is bound
+
+    @asynccontextmanager
+    async def run(
+        self, request: ParsedRequest, internal_id: str, plan: TransferPlan, arrival: float
+    ) -> AsyncIterator[Generation]:
+        """Admit, prefill, then hold the slot while the caller emits the tokens.
+
+        Raises QueueFullError before admission and KVTransferError from prefill.
+        """
+        await self.scheduler.acquire()
+        kind = _KIND[plan.mode]
+        lease: CacheLease | None = None
+        private = 0
+        error: str | None = None
+        generation: Generation | None = None
+        blocks = 0
+        try:
+            generation, lease, private, blocks = await self._prefill(request, internal_id, plan)
+            self.metrics.observe_ttft(time.perf_counter() - arrival, len(request.token_ids))
+            yield generation
+        except KVTransferError as exc:
+            error = exc.reason
+            raise
+        except BaseException as exc:
+            error = type(exc).__name__
+            raise
+        finally:
+            if lease is not None:
+                self.cache.release(lease)
+            self.cache.release_private(private)
+            self.scheduler.release()
+            if error is None:
+                self.metrics.observe_finished(time.perf_counter() - arrival, request.max_tokens)
+            self.stats.record(
+                RequestRecord(
+                    request_id=internal_id,
+                    kind=kind,
+                    kv_from_store=generation.kv_from_store if generation else False,
+                    blocks=blocks,
+                    prompt_tokens=len(request.token_ids),
+                    cached_tokens=generation.cached_tokens if generation else 0,
+                    error=error,
+                )
+            )
+
+    async def token_gap(self) -> None:
+        """Wait one inter-token latency for the current batch size."""
+        await pause(self.latency.inter_token_seconds(self.scheduler.running))
+
+    @property
+    def paces_tokens(self) -> bool:
+        """Whether tokens are spaced in time at all (not with --fast)."""
+        return self.latency.inter_token_seconds(1) > 0
+
+    async def _prefill(
+        self, request: ParsedRequest, internal_id: str, plan: TransferPlan
+    ) -> tuple[Generation, CacheLease, int, int]:
+        config = self.config
+        size = config.block_size
+        token_ids = request.token_ids
+        num_tokens = len(token_ids)
+        hashes = self.block_hashes.hashes(token_ids, request.cache_salt)
+        # vLLM always computes at least the last prompt token.
+        hit_blocks = min(self.cache.match(hashes), (num_tokens - 1) // size)
+        cached_tokens = hit_blocks * size
+        self.metrics.observe_prefix_cache(num_tokens, cached_tokens)
+        self.stats.prefix_cache_queries += num_tokens
+        self.stats.prefix_cache_hits += cached_tokens
+
+        blocks = 0
+        kv_from_store = False
+        computed = cached_tokens
+        if plan.mode is TransferMode.IMPORT and plan.handle is not None:
+            transfer = self._require_transfer()
+            imported = await transfer.import_blocks(plan.handle.store_keys, hashes)
+            self.stats.kv_blocks_read += imported.blocks
+            blocks = imported.blocks
+            kv_from_store = True
+            computed = max(computed, imported.blocks * size)
+            seed = store_seed(imported.digest, token_ids)
+        else:
+            if plan.mode is TransferMode.INCOMPLETE:
+                log.warning(
+                    "request %s: incomplete kv_transfer_params, prefilling locally", internal_id
+                )
+            seed = local_seed(token_ids)
+
+        lease = self.cache.acquire(hashes, token_ids)
+        total_blocks = -(-(num_tokens + request.max_tokens) // size)
+        private = max(0, total_blocks - len(lease.block_hashes))
+        self.cache.reserve_private(private)
+        try:
+            await pause(self.latency.prefill_seconds(num_tokens - computed))
+            handle: dict[str, Any] | None = None
+            if plan.mode is TransferMode.EXPORT:
+                exported = await self._require_transfer().export_blocks(hashes)
+                self.stats.kv_blocks_written += exported.written
+                self.stats.kv_blocks_write_skipped += exported.skipped
+                blocks = len(exported.keys)
+                block_ids = list(lease.block_ids)
+                block_ids += [_NULL_BLOCK_ID] * (len(hashes) - len(block_ids))
+                host, port = self.address
+                handle = build_prefill_handle(
+                    engine_id=config.engine_id,
+                    request_id=internal_id,
+                    host=host,
+                    port=port,
+                    block_ids=block_ids,
+                    num_tokens=num_tokens,
+                    store_keys=exported.keys,
+                    per_group=config.block_ids_per_group,
+                )
+        except BaseException:
+            self.cache.release(lease)
+            self.cache.release_private(private)
+            raise
+        generation = Generation(
+            pieces=output_pieces(seed, request.max_tokens),
+            prompt_tokens=num_tokens,
+            cached_tokens=cached_tokens,
+            kv_from_store=kv_from_store,
+            kv_transfer_params=handle,
+        )
+        return generation, lease, private, blocks
+
+    def _require_transfer(self) -> StoreKVTransfer:
+        if self.transfer is None:
+            raise KVTransferError(
+                "no_store",
+                503,
+                "this pod has no KV store (start it with --mooncake-master and "
+                "--metadata-server to serve PD requests)",
+            )
+        return self.transfer
+
+    def stats_json(self) -> dict[str, Any]:
+        """`/sim/stats`: identity, load and counters."""
+        config = self.config
+        return {
+            "role": config.role,
+            "engine_id": config.engine_id,
+            "pod_name": config.pod_name,
+            "model": config.model,
+            "running": self.scheduler.running,
+            "waiting": self.scheduler.waiting,
+            "kv_cache": {
+                "capacity_blocks": self.cache.capacity,
+                "cached_blocks": self.cache.num_cached,
+                "in_use_blocks": self.cache.num_in_use,
+                "usage": self.cache.usage(),
+            },
+            **self.stats.to_json(),
+        }

@@ -1,0 +1,96 @@
+"""Prometheus metrics under vLLM's names, so the router's scraper reads the simulator as an engine.
+
+Own `CollectorRegistry` (one per engine, none global). Labelled children are created once;
+gauges read their value at scrape time, so requests pay nothing for them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Final
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
+
+TTFT_BUCKETS: Final = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+    10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+E2E_BUCKETS: Final = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+    240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+
+_LABELS: Final = ("model_name", "engine")
+
+
+class EngineMetrics:
+    """The vLLM metrics one engine exposes."""
+
+    def __init__(
+        self,
+        model_name: str,
+        running: Callable[[], float],
+        waiting: Callable[[], float],
+        kv_usage: Callable[[], float],
+    ) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = (model_name, "0")
+        reg = self.registry
+        for name, doc, read in (
+            ("vllm:num_requests_running", "Requests running.", running),
+            ("vllm:num_requests_waiting", "Requests waiting.", waiting),
+            ("vllm:kv_cache_usage_perc", "KV-cache usage, 1 = 100%.", kv_usage),
+        ):
+            Gauge(name, doc, _LABELS, registry=reg).labels(*labels).set_function(read)
+        self._queries = Counter(
+            "vllm:prefix_cache_queries", "Prefix-cache queries, in tokens.", _LABELS, registry=reg
+        ).labels(*labels)
+        self._hits = Counter(
+            "vllm:prefix_cache_hits", "Prefix-cache hits, in tokens.", _LABELS, registry=reg
+        ).labels(*labels)
+        self._prompt_tokens = Counter(
+            "vllm:prompt_tokens", "Prefill tokens processed.", _LABELS, registry=reg
+        ).labels(*labels)
+        self._generation_tokens = Counter(
+            "vllm:generation_tokens", "Tokens generated.", _LABELS, registry=reg
+        ).labels(*labels)
+        self._ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Time to first token.",
+            _LABELS,
+            buckets=TTFT_BUCKETS,
+            registry=reg,
+        ).labels(*labels)
+        self._e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "End-to-end request latency.",
+            _LABELS,
+            buckets=E2E_BUCKETS,
+            registry=reg,
+        ).labels(*labels)
+        self._success = Counter(
+            "vllm:request_success",
+            "Requests finished.",
+            (*_LABELS, "finished_reason"),
+            registry=reg,
+        )
+        self._success_length = self._success.labels(*labels, "length")
+
+    def observe_prefix_cache(self, queried_tokens: int, hit_tokens: int) -> None:
+        self._queries.inc(queried_tokens)
+        self._hits.inc(hit_tokens)
+
+    def observe_ttft(self, seconds: float, prompt_tokens: int) -> None:
+        self._ttft.observe(seconds)
+        self._prompt_tokens.inc(prompt_tokens)
+
+    def observe_finished(self, seconds: float, generated_tokens: int) -> None:
+        self._e2e.observe(seconds)
+        self._generation_tokens.inc(generated_tokens)
+        self._success_length.inc()
+
+    def render(self) -> bytes:
+        """The exposition text."""
+        return generate_latest(self.registry)

@@ -1,0 +1,176 @@
+"""A vLLM-style prefix cache of KV blocks, bounded in blocks, with LRU eviction.
+
+The simulator holds no tensors, only block identities: which chained block hashes
+(`block_hash.py`) are resident, which requests use them, and which block ids they occupy.
+That is enough to report prefix-cache hits and `kv_cache_usage_perc` as vLLM does, and to
+emit KV events (`cache_events.py`) through the `on_event` hook.
+
+Rules, as in vLLM's block pool:
+- a block is in use while a running request holds it (ref count > 0); when the last holder
+  releases it, it stays cached but becomes evictable, least recently freed first (a
+  request's blocks are freed tail first, so a prompt's tail goes before its head);
+- running requests also hold private blocks (partial tail, output): they take capacity
+  too but are never shared; the simulator never preempts, so it over-commits instead;
+- usage = blocks in use / capacity (cached but evictable blocks count as free).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine_sim.cache_events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEventSink
+
+#: Default capacity of the simulated KV cache, in blocks.
+DEFAULT_CAPACITY_BLOCKS = 4096
+
+
+@dataclass(slots=True)
+class _Block:
+    block_id: int
+    ref_count: int
+
+
+@dataclass(frozen=True, slots=True)
+class CacheLease:
+    """The leading blocks of one prompt that a request holds, and their block ids."""
+
+    block_hashes: tuple[int, ...]
+    block_ids: tuple[int, ...]
+
+
+class PrefixCache:
+    """Resident blocks keyed by block hash; see the module docstring for the rules."""
+
+    def __init__(
+        self,
+        capacity_blocks: int = DEFAULT_CAPACITY_BLOCKS,
+        block_size: int = 16,
+        on_event: CacheEventSink | None = None,
+    ) -> None:
+        if capacity_blocks <= 0 or block_size <= 0:
+            raise ValueError("capacity_blocks and block_size must be positive")
+        self.capacity = capacity_blocks
+        self.block_size = block_size
+        self._on_event = on_event
+        self._blocks: dict[int, _Block] = {}
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        # Block ids 1..capacity; vLLM keeps id 0 as its null block.
+        self._free_ids: list[int] = list(range(capacity_blocks, 0, -1))
+        self._private = 0
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks resident (in use or evictable)."""
+        return len(self._blocks)
+
+    @property
+    def num_in_use(self) -> int:
+        """Blocks held by running requests, private blocks included."""
+        return len(self._blocks) - len(self._evictable) + self._private
+
+    def usage(self) -> float:
+        """Fraction of capacity in use, 0.0-1.0, as vLLM's `kv_cache_usage_perc`."""
+        return min(1.0, self.num_in_use / self.capacity)
+
+    def match(self, block_hashes: Sequence[int]) -> int:
+        """How many leading blocks of a prompt are resident (changes nothing)."""
+        count = 0
+        for block_hash in block_hashes:
+            if block_hash not in self._blocks:
+                break
+            count += 1
+        return count
+
+    def acquire(self, block_hashes: Sequence[int], token_ids: Sequence[int]) -> CacheLease:
+        """Hold a prompt's blocks, caching the missing ones (evicting LRU blocks for room).
+
+        Stops at the first block that finds no room: a block without its parent is useless.
+        `token_ids` are the prompt's tokens, used only for `BlockStored` events.
+        """
+        held: list[int] = []
+        ids: list[int] = []
+        stored_from: int | None = None
+        for index, block_hash in enumerate(block_hashes):
+            block = self._blocks.get(block_hash)
+            if block is None:
+                block_id = self._take_free_id()
+                if block_id is None:
+                    break
+                block = _Block(block_id, 0)
+                self._blocks[block_hash] = block
+                if stored_from is None:
+                    stored_from = index
+            elif block.ref_count == 0:
+                del self._evictable[block_hash]
+            block.ref_count += 1
+            held.append(block_hash)
+            ids.append(block.block_id)
+            if stored_from is not None and (
+                index + 1 == len(block_hashes) or block_hashes[index + 1] in self._blocks
+            ):
+                self._emit_stored(block_hashes, token_ids, stored_from, index + 1)
+                stored_from = None
+        if stored_from is not None:
+            self._emit_stored(block_hashes, token_ids, stored_from, len(held))
+        return CacheLease(tuple(held), tuple(ids))
+
+    def release(self, lease: CacheLease) -> None:
+        """Drop a request's hold; blocks nobody holds become evictable, tail first."""
+        for block_hash in reversed(lease.block_hashes):
+            block = self._blocks.get(block_hash)
+            if block is None or block.ref_count == 0:
+                continue
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._evictable[block_hash] = None
+
+    def reserve_private(self, count: int) -> None:
+        """Hold `count` unshared blocks for a running request (evicts to make room)."""
+        self._private += count
+        while len(self._blocks) + self._private > self.capacity and self._evict_one():
+            pass
+
+    def release_private(self, count: int) -> None:
+        """Return private blocks taken by `reserve_private`."""
+        self._private = max(0, self._private - count)
+
+    def clear(self) -> None:
+        """Forget every evictable block and report `AllBlocksCleared` (held blocks stay)."""
+        for block_hash in list(self._evictable):
+            self._free_ids.append(self._blocks.pop(block_hash).block_id)
+        self._evictable.clear()
+        if self._on_event is not None:
+            self._on_event(AllBlocksCleared())
+
+    def _take_free_id(self) -> int | None:
+        if len(self._blocks) + self._private >= self.capacity and not self._evict_one():
+            return None
+        if not self._free_ids:
+            return None
+        return self._free_ids.pop()
+
+    def _evict_one(self) -> bool:
+        if not self._evictable:
+            return False
+        block_hash, _ = self._evictable.popitem(last=False)
+        self._free_ids.append(self._blocks.pop(block_hash).block_id)
+        if self._on_event is not None:
+            self._on_event(BlockRemoved((block_hash,)))
+        return True
+
+    def _emit_stored(
+        self, block_hashes: Sequence[int], token_ids: Sequence[int], start: int, end: int
+    ) -> None:
+        if self._on_event is None or end <= start:
+            return
+        size = self.block_size
+        self._on_event(
+            BlockStored(
+                block_hashes=tuple(block_hashes[start:end]),
+                parent_block_hash=block_hashes[start - 1] if start > 0 else None,
+                token_ids=tuple(token_ids[start * size : end * size]),
+                block_size=size,
+            )
+        )

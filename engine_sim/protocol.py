@@ -1,0 +1,145 @@
+"""Reading OpenAI request bodies into what the engine needs, with vLLM's validation errors."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from engine_sim.tokenizer import Tokenizer, render_chat
+
+Endpoint = Literal["chat", "completion"]
+
+
+class RequestError(Exception):
+    """A request vLLM would refuse; rendered as its nested error JSON with `status`."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        err_type: str = "BadRequestError",
+        param: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.err_type = err_type
+        self.param = param
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What the served model accepts."""
+
+    model: str
+    max_model_len: int
+    default_max_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    endpoint: Endpoint
+    model: str
+    token_ids: tuple[int, ...]
+    max_tokens: int
+    min_tokens: int
+    stream: bool
+    include_usage: bool
+    cache_salt: str | None
+    priority: int
+    kv_transfer_params: Any
+    body: Mapping[str, Any] = field(repr=False)
+
+
+def _optional_int(body: Mapping[str, Any], name: str, minimum: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise RequestError(f"'{name}' must be an integer >= {minimum}", param=name)
+    return value
+
+
+def _completion_tokens(prompt: Any, tokenizer: Tokenizer) -> tuple[int, ...]:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt)
+    if isinstance(prompt, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt
+    ):
+        return tuple(prompt)
+    raise RequestError(
+        "'prompt' must be a string, a list of token ids, or a list of one of those "
+        "(the simulator serves one prompt per request)",
+        param="prompt",
+    )
+
+
+def parse_request(
+    body: Any, endpoint: Endpoint, tokenizer: Tokenizer, limits: Limits
+) -> ParsedRequest:
+    """Validate a chat or completion body and tokenize its prompt."""
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    model = body.get("model")
+    if model is None:
+        model = limits.model
+    elif model != limits.model:
+        raise RequestError(
+            f"The model `{model}` does not exist.", 404, "NotFoundError", param="model"
+        )
+    if endpoint == "chat":
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            raise RequestError("'messages' must be a non-empty list", param="messages")
+        try:
+            text = render_chat(messages, bool(body.get("add_generation_prompt", True)))
+        except ValueError as exc:
+            raise RequestError(str(exc), param="messages") from exc
+        token_ids = tokenizer.encode(text)
+        max_tokens = _optional_int(body, "max_completion_tokens", 1)
+        if max_tokens is None:
+            max_tokens = _optional_int(body, "max_tokens", 1)
+    else:
+        token_ids = _completion_tokens(body.get("prompt"), tokenizer)
+        max_tokens = _optional_int(body, "max_tokens", 1)
+    if not token_ids:
+        raise RequestError("the prompt is empty", param="prompt")
+    if max_tokens is None:
+        max_tokens = limits.default_max_tokens
+    min_tokens = _optional_int(body, "min_tokens", 0) or 0
+    if min_tokens > max_tokens:
+        raise RequestError(
+            f"min_tokens ({min_tokens}) must be less than or equal to max_tokens ({max_tokens})",
+            param="min_tokens",
+        )
+    if len(token_ids) + max_tokens > limits.max_model_len:
+        raise RequestError(
+            f"This model's maximum context length is {limits.max_model_len} tokens. However, "
+            f"you requested {len(token_ids) + max_tokens} tokens ({len(token_ids)} in the "
+            f"messages, {max_tokens} in the completion). Please reduce the length of the "
+            "messages or completion.",
+            param="max_tokens",
+        )
+    stream = body.get("stream") is True
+    options = body.get("stream_options")
+    include_usage = stream and isinstance(options, dict) and options.get("include_usage") is True
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise RequestError("'cache_salt' must be a non-empty string", param="cache_salt")
+    priority = body.get("priority", 0)
+    return ParsedRequest(
+        endpoint=endpoint,
+        model=model,
+        token_ids=token_ids,
+        max_tokens=max_tokens,
+        min_tokens=min_tokens,
+        stream=stream,
+        include_usage=include_usage,
+        cache_salt=salt,
+        priority=priority if isinstance(priority, int) else 0,
+        kv_transfer_params=body.get("kv_transfer_params"),
+        body=body,
+    )

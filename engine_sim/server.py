@@ -1,0 +1,238 @@
+"""The HTTP face of the simulator: vLLM's OpenAI-compatible routes on aiohttp.web.
+
+Kept cheap per request because router-overhead benchmarks run against it: orjson, no
+middleware, no access log, and with `--fast` a whole stream goes out in one write.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+import uuid
+from typing import Any, Final
+
+import orjson
+from aiohttp import web
+
+from engine_sim.engine import Engine, Generation
+from engine_sim.kv_params import parse_kv_transfer_params
+from engine_sim.kv_transfer import KVTransferError
+from engine_sim.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from engine_sim.protocol import Endpoint, ParsedRequest, RequestError, parse_request
+from engine_sim.render import generate_request
+from engine_sim.responses import ChunkWriter, chat_completion, error_body, text_completion, usage
+from engine_sim.scheduler import QueueFullError
+
+log = logging.getLogger(__name__)
+
+REQUEST_ID_HEADER: Final = "X-Request-Id"
+_JSON: Final = "application/json"
+_SSE_HEADERS: Final = {
+    "Content-Type": "text/event-stream; charset=utf-8",
+    "Cache-Control": "no-cache",
+}
+
+
+def _json(payload: Any, status: int = 200, request_id: str | None = None) -> web.Response:
+    headers = {REQUEST_ID_HEADER: request_id} if request_id else None
+    return web.Response(
+        body=orjson.dumps(payload), status=status, content_type=_JSON, headers=headers
+    )
+
+
+def _error(exc: RequestError | KVTransferError | QueueFullError, request_id: str) -> web.Response:
+    if isinstance(exc, RequestError):
+        body = error_body(exc.message, exc.status, exc.err_type, exc.param)
+        return _json(body, exc.status, request_id)
+    if isinstance(exc, KVTransferError):
+        err_type = "ServiceUnavailableError" if exc.status == 503 else "InternalServerError"
+        return _json(error_body(exc.message, exc.status, err_type), exc.status, request_id)
+    body = error_body(f"engine overloaded: {exc}", 503, "ServiceUnavailableError")
+    return _json(body, 503, request_id)
+
+
+class SimServer:
+    """Routes requests to one `Engine`."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._created = int(time.time())
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions/render", self.render_chat)
+        app.router.add_post("/v1/completions/render", self.render_completion)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/ping", self.health)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/sim/stats", self.sim_stats)
+        return app
+
+    async def _parse(self, request: web.Request, endpoint: Endpoint) -> ParsedRequest:
+        try:
+            body = orjson.loads(await request.read())
+        except orjson.JSONDecodeError as exc:
+            raise RequestError(f"invalid JSON body: {exc}") from exc
+        return parse_request(body, endpoint, self.engine.tokenizer, self.engine.limits)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "completion")
+
+    async def _generate(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+        arrival = time.perf_counter()
+        request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+        try:
+            parsed = await self._parse(request, endpoint)
+            try:
+                plan = parse_kv_transfer_params(parsed.kv_transfer_params)
+            except ValueError as exc:
+                raise RequestError(str(exc), param="kv_transfer_params") from exc
+            response_id = f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-{request_id}"
+            # Like vLLM, the engine-internal id adds random characters to the one we were given.
+            internal_id = f"{response_id}-{secrets.token_hex(4)}"
+            async with self.engine.run(parsed, internal_id, plan, arrival) as generation:
+                if parsed.stream:
+                    return await self._stream(request, parsed, generation, response_id, request_id)
+                return await self._complete(parsed, generation, response_id, request_id)
+        except (RequestError, KVTransferError, QueueFullError) as exc:
+            return _error(exc, request_id)
+
+    async def _complete(
+        self, parsed: ParsedRequest, generation: Generation, response_id: str, request_id: str
+    ) -> web.Response:
+        if self.engine.paces_tokens:
+            for _ in range(len(generation.pieces) - 1):
+                await self.engine.token_gap()
+        build = chat_completion if parsed.endpoint == "chat" else text_completion
+        body = build(
+            response_id,
+            int(time.time()),
+            parsed.model,
+            "".join(generation.pieces),
+            usage(generation.prompt_tokens, len(generation.pieces)),
+            generation.kv_transfer_params,
+        )
+        return _json(body, request_id=request_id)
+
+    async def _stream(
+        self,
+        request: web.Request,
+        parsed: ParsedRequest,
+        generation: Generation,
+        response_id: str,
+        request_id: str,
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(headers={**_SSE_HEADERS, REQUEST_ID_HEADER: request_id})
+        await response.prepare(request)
+        writer = ChunkWriter(parsed, response_id, int(time.time()))
+        pieces = generation.pieces
+        last = len(pieces) - 1
+        try:
+            if not self.engine.paces_tokens:
+                out = [writer.start()]
+                out.extend(writer.token(piece, i == last) for i, piece in enumerate(pieces))
+                out.append(writer.end(len(pieces)))
+                await response.write(b"".join(out))
+            else:
+                await response.write(writer.start() + writer.token(pieces[0], last == 0))
+                for i in range(1, len(pieces)):
+                    await self.engine.token_gap()
+                    await response.write(writer.token(pieces[i], i == last))
+                await response.write(writer.end(len(pieces)))
+            await response.write_eof()
+        except ConnectionResetError:
+            log.info("request %s: client went away mid-stream", request_id)
+        return response
+
+    async def render_chat(self, request: web.Request) -> web.Response:
+        return await self._render(request, "chat")
+
+    async def render_completion(self, request: web.Request) -> web.Response:
+        return await self._render(request, "completion")
+
+    async def _render(self, request: web.Request, endpoint: Endpoint) -> web.Response:
+        request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+        try:
+            parsed = await self._parse(request, endpoint)
+        except RequestError as exc:
+            return _error(exc, request_id)
+        rendered = generate_request(parsed)
+        return _json(rendered if endpoint == "chat" else [rendered], request_id=request_id)
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's `/tokenize` for a `prompt` or chat `messages`."""
+        try:
+            body = orjson.loads(await request.read())
+            if not isinstance(body, dict):
+                raise RequestError("the request body must be a JSON object")
+            endpoint: Endpoint = "chat" if "messages" in body else "completion"
+            parsed = parse_request(
+                {**body, "max_tokens": 1}, endpoint, self.engine.tokenizer, self.engine.limits
+            )
+        except orjson.JSONDecodeError as exc:
+            return _error(RequestError(f"invalid JSON body: {exc}"), uuid.uuid4().hex)
+        except RequestError as exc:
+            return _error(exc, uuid.uuid4().hex)
+        tokens = list(parsed.token_ids)
+        return _json(
+            {
+                "count": len(tokens),
+                "max_model_len": self.engine.limits.max_model_len,
+                "tokens": tokens,
+                "token_strs": None,
+            }
+        )
+
+    async def models(self, request: web.Request) -> web.Response:
+        model = self.engine.config.model
+        return _json(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": model,
+                        "object": "model",
+                        "created": self._created,
+                        "owned_by": "vllm",
+                        "root": model,
+                        "parent": None,
+                        "max_model_len": self.engine.limits.max_model_len,
+                        "permission": [
+                            {
+                                "id": f"modelperm-{model}",
+                                "object": "model_permission",
+                                "created": self._created,
+                                "allow_create_engine": False,
+                                "allow_sampling": True,
+                                "allow_logprobs": True,
+                                "allow_search_indices": False,
+                                "allow_view": True,
+                                "allow_fine_tuning": False,
+                                "organization": "*",
+                                "group": None,
+                                "is_blocking": False,
+                            }
+                        ],
+                    }
+                ],
+            }
+        )
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=self.engine.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE}
+        )
+
+    async def sim_stats(self, request: web.Request) -> web.Response:
+        return _json(self.engine.stats_json())

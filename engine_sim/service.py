@@ -1,0 +1,80 @@
+"""One engine's life: connect the KV store, serve HTTP until told to stop, close the store."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from pathlib import Path
+
+from aiohttp import web
+
+from engine_sim.config import SimConfig
+from engine_sim.engine import Engine
+from engine_sim.kvstore import KVStore, MooncakeConfig, MooncakeKVStore
+from engine_sim.server import SimServer
+
+log = logging.getLogger(__name__)
+
+#: Listen backlog: benchmarks open many connections at once.
+LISTEN_BACKLOG = 1024
+
+
+async def connect_store(config: SimConfig) -> KVStore | None:
+    """The Mooncake store when the config names a master, else None."""
+    if config.mooncake_master is None or config.metadata_server is None:
+        return None
+    return await MooncakeKVStore.connect(
+        MooncakeConfig(
+            master_address=config.mooncake_master,
+            metadata_server=config.metadata_server,
+            local_hostname=config.advertise_host,
+            global_segment_bytes=config.global_segment_bytes,
+            local_buffer_bytes=config.local_buffer_bytes,
+        )
+    )
+
+
+async def serve(config: SimConfig, stop: asyncio.Event) -> None:
+    """Run until `stop` is set. The store connects before the port opens, so /health
+    answering means the pod can move KV."""
+    store = await connect_store(config)
+    try:
+        engine = Engine(config, store)
+        runner = web.AppRunner(
+            SimServer(engine).app(),
+            access_log=None,
+            handle_signals=False,
+            keepalive_timeout=config.keep_alive_timeout_s,
+        )
+        await runner.setup()
+        try:
+            site = web.TCPSite(runner, config.host, config.port, backlog=LISTEN_BACKLOG)
+            await site.start()
+            port = int(runner.addresses[0][1])
+            engine.address = (config.advertise_host, port)
+            if config.port_file:
+                _write_atomically(Path(config.port_file), f"{port}\n")
+            log.info(
+                "engine_sim %s serving %s on http://%s:%d (engine_id %s, kv store %s)",
+                config.role,
+                config.model,
+                config.host,
+                port,
+                config.engine_id,
+                config.mooncake_master or "none",
+            )
+            await stop.wait()
+            log.info("engine_sim stopping")
+        finally:
+            await runner.cleanup()
+    finally:
+        if store is not None:
+            await store.close()
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Readers polling for the file never see it half written."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    os.replace(partial, path)

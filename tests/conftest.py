@@ -1,0 +1,208 @@
+"""Shared fixtures: a real Mooncake master and simulated engine pods on loopback.
+
+- `mooncake_master` (session): a running `MooncakeMaster`; skips the test when the Mooncake
+  library cannot be imported.
+- `sim_pod` (function) / `sim_pod_session` (session): factories
+  `start(role="both", model=DEFAULT_MODEL, *, mooncake=None, **flags) -> SimPod` that run
+  `python -m engine_sim` as a subprocess on a free port and wait for `/health`. Flags map
+  to CLI flags (`max_num_seqs=2` -> `--max-num-seqs 2`, `fast=True` -> `--fast`; False and
+  None are dropped). `mooncake=None` means "connect to the session master unless role is
+  both". Pods stop when the test (or session) ends.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine_sim.kvstore import mooncake_import_error
+from engine_sim.mooncake_master import MooncakeMaster
+
+DEFAULT_MODEL = "sim-model"
+POD_START_TIMEOUT_S = 30.0
+POD_STOP_TIMEOUT_S = 15.0
+_LOG_TAIL_BYTES = 3000
+
+
+@dataclass
+class SimPod:
+    """One `python -m engine_sim` subprocess."""
+
+    role: str
+    model: str
+    engine_id: str
+    port: int
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    args: list[str] = field(default_factory=list)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log_tail(self) -> str:
+        if not self.log_path.exists():
+            return ""
+        return self.log_path.read_bytes()[-_LOG_TAIL_BYTES:].decode(errors="replace")
+
+    def terminate(self) -> None:
+        """Send SIGTERM (the pod closes its store and exits 0)."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+
+    def stop(self, timeout_s: float = POD_STOP_TIMEOUT_S) -> int:
+        """SIGTERM, wait, kill if it hangs; returns the exit code."""
+        self.terminate()
+        try:
+            return self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait()
+
+
+class _MasterHolder:
+    """Starts the session's Mooncake master on first demand."""
+
+    def __init__(self, workdir: Path) -> None:
+        self._workdir = workdir
+        self._master: MooncakeMaster | None = None
+
+    def get(self) -> MooncakeMaster:
+        if self._master is None:
+            reason = mooncake_import_error()
+            if reason is not None:
+                pytest.skip(f"Mooncake store unavailable: {reason}")
+            self._master = MooncakeMaster(log_path=self._workdir / "mooncake-master.log").start()
+        return self._master
+
+    def stop(self) -> None:
+        if self._master is not None:
+            self._master.stop()
+            self._master = None
+
+
+class SimPodLauncher:
+    """Starts pods and stops them all at once (stopping in parallel: a store close takes ~2 s)."""
+
+    def __init__(self, workdir: Path, masters: _MasterHolder) -> None:
+        self._workdir = workdir
+        self._masters = masters
+        self.pods: list[SimPod] = []
+
+    def start(
+        self,
+        role: str = "both",
+        model: str = DEFAULT_MODEL,
+        *,
+        mooncake: bool | None = None,
+        **flags: Any,
+    ) -> SimPod:
+        engine_id = str(flags.pop("engine_id", None) or f"{role}-{uuid.uuid4().hex[:8]}")
+        name = f"{engine_id}-{uuid.uuid4().hex[:6]}"
+        port_file = self._workdir / f"{name}.port"
+        log_path = self._workdir / f"{name}.log"
+        args = [
+            sys.executable, "-m", "engine_sim", "--role", role, "--model", model,
+            "--port", "0", "--port-file", str(port_file), "--engine-id", engine_id,
+        ]  # fmt: skip
+        if mooncake if mooncake is not None else role != "both":
+            master = self._masters.get()
+            args += ["--mooncake-master", master.rpc_address]
+            args += ["--metadata-server", master.metadata_url]
+        args += _flag_args(flags)
+        with log_path.open("wb") as log:
+            process = subprocess.Popen(
+                args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
+            )
+        pod = SimPod(role, model, engine_id, 0, process, log_path, args)
+        self.pods.append(pod)
+        pod.port = _wait_until_serving(pod, port_file)
+        return pod
+
+    def stop_all(self) -> None:
+        pods, self.pods = self.pods, []
+        for pod in pods:
+            pod.terminate()
+        for pod in pods:
+            pod.stop()
+
+
+def _flag_args(flags: dict[str, Any]) -> list[str]:
+    out: list[str] = []
+    for key, value in flags.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            out.append(flag)
+        elif value is not None and value is not False:
+            out += [flag, str(value)]
+    return out
+
+
+def _wait_until_serving(pod: SimPod, port_file: Path) -> int:
+    deadline = time.monotonic() + POD_START_TIMEOUT_S
+    port = 0
+    while time.monotonic() < deadline:
+        if pod.process.poll() is not None:
+            raise RuntimeError(
+                f"engine_sim exited with {pod.process.returncode}: {pod.args}\n{pod.log_tail()}"
+            )
+        if not port and port_file.exists():
+            port = int(port_file.read_text())
+        if port:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+                    if r.status == 200:
+                        return port
+            except (urllib.error.URLError, OSError):
+                pass
+        time.sleep(0.05)
+    pod.stop()
+    raise RuntimeError(f"engine_sim not healthy after {POD_START_TIMEOUT_S} s\n{pod.log_tail()}")
+
+
+@pytest.fixture(scope="session")
+def _mooncake_masters(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_MasterHolder]:
+    holder = _MasterHolder(tmp_path_factory.mktemp("mooncake"))
+    yield holder
+    holder.stop()
+
+
+@pytest.fixture(scope="session")
+def mooncake_master(_mooncake_masters: _MasterHolder) -> MooncakeMaster:
+    """A running Mooncake master (RPC + HTTP metadata) shared by the session."""
+    return _mooncake_masters.get()
+
+
+@pytest.fixture
+def sim_pod(tmp_path: Path, _mooncake_masters: _MasterHolder) -> Iterator[Callable[..., SimPod]]:
+    """Factory of engine_sim pods stopped at the end of the test."""
+    launcher = SimPodLauncher(tmp_path, _mooncake_masters)
+    yield launcher.start
+    launcher.stop_all()
+
+
+@pytest.fixture(scope="session")
+def sim_pod_session(
+    tmp_path_factory: pytest.TempPathFactory, _mooncake_masters: _MasterHolder
+) -> Iterator[Callable[..., SimPod]]:
+    """Factory of engine_sim pods stopped at the end of the session (share them to save time)."""
+    launcher = SimPodLauncher(tmp_path_factory.mktemp("sim-pods"), _mooncake_masters)
+    yield launcher.start
+    launcher.stop_all()
+
+
+@pytest.fixture
+def start_sim_pod(sim_pod: Callable[..., SimPod]) -> Callable[..., SimPod]:
+    """Alias of `sim_pod` under the factory's own name."""
+    return sim_pod

@@ -1,0 +1,116 @@
+"""Block hashes and the bounded prefix cache."""
+
+from __future__ import annotations
+
+from engine_sim.block_hash import (
+    HASH_MASK_64,
+    BlockHashMemo,
+    hash_block_tokens,
+    hash_prompt_blocks,
+    root_hash,
+)
+from engine_sim.cache_events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent
+from engine_sim.prefix_cache import PrefixCache
+
+BS = 4
+
+
+def test_block_hashes_chain_and_share_prefixes() -> None:
+    a = hash_prompt_blocks(list(range(10)), BS)
+    b = hash_prompt_blocks([*range(8), 99, 98, 97, 96], BS)
+    assert len(a) == 2  # the partial tail (2 tokens) is not a block
+    assert len(b) == 3
+    assert a[:2] == b[:2]
+    assert a[0] == hash_block_tokens(root_hash(), [0, 1, 2, 3])
+    assert a[1] == hash_block_tokens(a[0], [4, 5, 6, 7])
+    assert all(0 <= h <= HASH_MASK_64 for h in a + b)
+
+
+def test_block_hash_depends_on_parent_salt_and_seed() -> None:
+    tokens = list(range(8))
+    plain = hash_prompt_blocks(tokens, BS)
+    salted = hash_prompt_blocks(tokens, BS, cache_salt="s")
+    seeded = hash_prompt_blocks(tokens, BS, seed="other")
+    assert plain[0] != salted[0] and plain[1] != salted[1]  # the salt changes the whole chain
+    assert plain[0] != seeded[0]
+    assert hash_block_tokens(1, [1, 2]) != hash_block_tokens(2, [1, 2])
+    assert hash_block_tokens(1, [1, 2], ("x",)) != hash_block_tokens(1, [1, 2])
+
+
+def test_match_acquire_release_and_hits() -> None:
+    events: list[CacheEvent] = []
+    cache = PrefixCache(capacity_blocks=8, block_size=BS, on_event=events.append)
+    tokens = list(range(12))
+    hashes = hash_prompt_blocks(tokens, BS)
+    assert cache.match(hashes) == 0
+    lease = cache.acquire(hashes, tokens)
+    assert lease.block_hashes == tuple(hashes)
+    assert len(set(lease.block_ids)) == 3 and 0 not in lease.block_ids
+    assert events == [BlockStored(tuple(hashes), None, tuple(tokens), BS)]
+    assert cache.num_in_use == 3 and cache.usage() == 3 / 8
+    cache.release(lease)
+    assert cache.num_in_use == 0 and cache.num_cached == 3
+    assert cache.match(hashes) == 3
+    other = hash_prompt_blocks([*range(8), 50, 51, 52, 53], BS)
+    assert cache.match(other) == 2
+    events.clear()
+    lease2 = cache.acquire(other, [*range(8), 50, 51, 52, 53])
+    assert lease2.block_ids[:2] == lease.block_ids[:2]
+    assert events == [BlockStored((other[2],), other[1], (50, 51, 52, 53), BS)]
+
+
+def test_lru_eviction_tail_first_and_held_blocks_stay() -> None:
+    events: list[CacheEvent] = []
+    cache = PrefixCache(capacity_blocks=3, block_size=BS, on_event=events.append)
+    first = list(range(12))
+    first_hashes = hash_prompt_blocks(first, BS)
+    cache.release(cache.acquire(first_hashes, first))
+    second = list(range(100, 108))
+    second_hashes = hash_prompt_blocks(second, BS)
+    events.clear()
+    held = cache.acquire(second_hashes, second)
+    # The first prompt's tail goes first, then the block before it.
+    assert events[:2] == [BlockRemoved((first_hashes[2],)), BlockRemoved((first_hashes[1],))]
+    assert cache.match(first_hashes) == 1
+    # Nothing evictable is left but first_hashes[0]; a third prompt gets only one block.
+    third = list(range(200, 212))
+    lease = cache.acquire(hash_prompt_blocks(third, BS), third)
+    assert len(lease.block_hashes) == 1
+    assert cache.usage() == 1.0
+    cache.release(lease)
+    cache.release(held)
+
+
+def test_private_blocks_take_capacity_and_clear() -> None:
+    events: list[CacheEvent] = []
+    cache = PrefixCache(capacity_blocks=4, block_size=BS, on_event=events.append)
+    tokens = list(range(8))
+    cache.release(cache.acquire(hash_prompt_blocks(tokens, BS), tokens))
+    cache.reserve_private(3)
+    assert cache.num_cached == 1  # one cached block evicted for room
+    assert cache.num_in_use == 3
+    cache.release_private(3)
+    cache.clear()
+    assert cache.num_cached == 0 and isinstance(events[-1], AllBlocksCleared)
+
+
+def test_fast_prompt_hashing_equals_chained_reference() -> None:
+    tokens = [7 * i % 32_000 for i in range(16 * 5 + 3)]
+    for salt in (None, "tenant-a"):
+        parent = root_hash("s")
+        expected = []
+        for index in range(5):
+            extra = (salt,) if index == 0 and salt is not None else None
+            parent = hash_block_tokens(parent, tokens[16 * index : 16 * (index + 1)], extra)
+            expected.append(parent)
+        assert hash_prompt_blocks(tokens, 16, cache_salt=salt, seed="s") == expected
+
+
+def test_block_hash_memo_matches_and_stays_bounded() -> None:
+    memo = BlockHashMemo(block_size=BS, max_entries=2)
+    prompts = [tuple(range(n, n + 9)) for n in range(4)]
+    for prompt in prompts + prompts:
+        assert list(memo.hashes(prompt, "salt")) == hash_prompt_blocks(
+            prompt, BS, cache_salt="salt"
+        )
+    assert len(memo._memo) == 2

@@ -1,0 +1,77 @@
+"""Request parsing, render bodies and CLI flags."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from engine_sim.cli import parse_config
+from engine_sim.protocol import Limits, RequestError, parse_request
+from engine_sim.render import generate_request
+from engine_sim.tokenizer import Tokenizer, encode, render_chat
+
+LIMITS = Limits(model="m", max_model_len=64, default_max_tokens=16)
+TOKENIZER = Tokenizer()
+MESSAGES = [{"role": "user", "content": "Where is the capital of China?"}]
+
+
+def test_chat_request_defaults_and_precedence() -> None:
+    parsed = parse_request({"messages": MESSAGES}, "chat", TOKENIZER, LIMITS)
+    assert parsed.model == "m" and parsed.max_tokens == 16 and not parsed.stream
+    assert list(parsed.token_ids) == encode(render_chat(MESSAGES))
+    parsed = parse_request(
+        {"messages": MESSAGES, "max_tokens": 5, "max_completion_tokens": 3, "stream": True,
+         "stream_options": {"include_usage": True}},
+        "chat", TOKENIZER, LIMITS,
+    )  # fmt: skip
+    assert parsed.max_tokens == 3 and parsed.include_usage
+
+
+@pytest.mark.parametrize(
+    "prompt", ["hi there", ["hi there"], encode("hi there"), [encode("hi there")]]
+)
+def test_completion_prompt_shapes(prompt: Any) -> None:
+    parsed = parse_request({"prompt": prompt, "max_tokens": 2}, "completion", TOKENIZER, LIMITS)
+    assert list(parsed.token_ids) == encode("hi there")
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"prompt": "x", "model": "nope"}, 404, "model"),
+        ({"prompt": ["a", "b"]}, 400, "prompt"),
+        ({"prompt": ""}, 400, "prompt"),
+        ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+        ({"prompt": "x", "max_tokens": 2, "min_tokens": 3}, 400, "min_tokens"),
+        ({"prompt": "x", "max_tokens": 64}, 400, "max_tokens"),
+    ],
+)
+def test_completion_errors(body: dict[str, Any], status: int, param: str) -> None:
+    with pytest.raises(RequestError) as err:
+        parse_request(body, "completion", TOKENIZER, LIMITS)
+    assert err.value.status == status and err.value.param == param
+
+
+def test_render_generate_request_shape() -> None:
+    parsed = parse_request(
+        {"model": "m", "messages": MESSAGES, "max_tokens": 20, "stop": "x"}, "chat", TOKENIZER,
+        LIMITS,
+    )  # fmt: skip
+    body = generate_request(parsed)
+    assert body["request_id"].startswith("chatcmpl-")
+    assert body["token_ids"] == list(parsed.token_ids)
+    assert body["sampling_params"]["max_tokens"] == 20
+    assert body["sampling_params"]["stop"] == ["x"]
+    assert body["features"] is None and body["kv_transfer_params"] is None
+
+
+def test_cli_flags() -> None:
+    config = parse_config(
+        ["--role", "decode", "--port", "0", "--model", "m", "--mooncake-master", "h:1",
+         "--metadata-server", "http://h:2/metadata", "--fast", "--max-num-seqs", "3"]
+    )  # fmt: skip
+    assert config.role == "decode" and config.max_num_seqs == 3
+    assert config.latency.inter_token_seconds(10) == 0
+    with pytest.raises(SystemExit):
+        parse_config(["--role", "prefill", "--port", "0", "--model", "m"])

@@ -129,6 +129,10 @@ class MooncakeKVStore:
 
     @staticmethod
     def _setup(config: MooncakeConfig) -> Any:
+        # Without this, the TCP transport advertises the first non-loopback interface's
+        # address for its data and RPC ports, and peers send KV there instead of to
+        # `local_hostname`. Set before the transfer engine starts (it reads it at setup).
+        os.environ.setdefault("MC_TCP_BIND_ADDRESS", config.local_hostname)
         store_class = load_mooncake_store_class()
         wait_for_tcp(config.master_address, config.connect_timeout_s)
         client = store_class()

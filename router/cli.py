@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -36,14 +37,20 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     logging.basicConfig(
-        level=getattr(args, "log_level", "info").upper(),
+        level=getattr(args, "log_level", "warning").upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     if args.command == "serve":
         return _serve(args)
+    # SIGTERM must unwind like Ctrl-C so the local cluster stops its child processes.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     if args.command == "up":
         return _up(args)
     return _demo(args)
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -113,4 +120,27 @@ def _demo(args: argparse.Namespace) -> int:
         if completion.usage is not None:
             print(f"   tokens: {completion.usage.prompt_tokens} prompt, "
                   f"{completion.usage.completion_tokens} completion")
+        pods = {spec.endpoint.pod_name: spec.endpoint for spec in cluster.pods}
+        request_id = raw.headers.get("x-request-id", "")
+        for header, verb in (("x-pdgate-prefill-pod", "wrote"), ("x-pdgate-decode-pod", "read")):
+            served_by = pods.get(raw.headers.get(header, ""))
+            if served_by is None:
+                continue
+            record = _sim_record(served_by.base_url, request_id)
+            if record is not None:
+                print(f"   {served_by.pod_name} {verb} {record['blocks']} "
+                      "KV block(s) through the Mooncake Store")
     return 0
+
+
+def _sim_record(base_url: str, request_id: str) -> dict[str, object] | None:
+    """The simulated engine's own record of one request (its `/sim/stats` ring)."""
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(f"{base_url}/sim/stats", timeout=5) as response:
+        stats = json.loads(response.read())
+    for record in stats.get("recent", []):
+        if request_id and request_id in str(record.get("request_id", "")):
+            return dict(record)
+    return None

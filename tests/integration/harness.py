@@ -1,0 +1,258 @@
+"""Real processes on loopback for end-to-end tests: simulated pods, the router, config YAML.
+
+Every pod of one ModelServer shares `workloadPort.port`, as in a cluster, so each
+simulated pod binds its own 127.x address on that port (all of 127/8 is loopback).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+API_VERSION = "networking.serving.volcano.sh/v1alpha1"
+READY_TIMEOUT_SECONDS = 30.0
+
+
+def free_port(hosts: Sequence[str] = ("127.0.0.1",)) -> int:
+    """A port free on every one of `hosts` (pods of one server share a port)."""
+    for _ in range(200):
+        with socket.socket() as probe:
+            probe.bind((hosts[0], 0))
+            port = int(probe.getsockname()[1])
+        if all(_can_bind(host, port) for host in hosts[1:]):
+            return port
+    raise RuntimeError("no common free port")
+
+
+def _can_bind(host: str, port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def wait_http(url: str, timeout: float = READY_TIMEOUT_SECONDS) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} not ready after {timeout} s")
+        time.sleep(0.05)
+
+
+def get_json(url: str) -> object:
+    import json
+
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return json.loads(response.read())
+
+
+@dataclass
+class Process:
+    argv: list[str]
+    log_path: Path
+    popen: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        log = self.log_path.open("ab")
+        self.popen = subprocess.Popen(
+            self.argv, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ)
+        )
+        log.close()
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> int | None:
+        if self.popen is None:
+            return None
+        with contextlib.suppress(ProcessLookupError):
+            self.popen.send_signal(sig)
+        try:
+            return self.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            return self.popen.wait()
+
+    def kill(self) -> None:
+        self.stop(signal.SIGKILL)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+@dataclass
+class SimPodSpec:
+    name: str
+    ip: str
+    role: str  # prefill | decode | both
+    group: str | None = None
+    labels: dict[str, str] = field(default_factory=dict)
+    flags: list[str] = field(default_factory=list)
+
+
+def pod_manifest(
+    spec: SimPodSpec, namespace: str = "default", ready: bool = True
+) -> dict[str, object]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": spec.name, "namespace": namespace, "labels": dict(spec.labels)},
+        "status": {
+            "phase": "Running",
+            "podIP": spec.ip,
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+        },
+    }
+
+
+def pd_server_manifests(
+    name: str,
+    model: str,
+    *,
+    connector: str = "nixl",
+    engine: str = "vLLM",
+    port: int,
+    retry_attempts: int = 2,
+    timeout: str = "60s",
+    annotations: dict[str, str] | None = None,
+    route_name: str | None = None,
+    pd: bool = True,
+) -> list[dict[str, object]]:
+    """A ModelRoute for `model` and a PD (or aggregated) ModelServer named `name`."""
+    selector: dict[str, object] = {"matchLabels": {"app": name}}
+    if pd:
+        selector["pdGroup"] = {
+            "groupKey": "group",
+            "prefillLabels": {"role": "prefill"},
+            "decodeLabels": {"role": "decode"},
+        }
+    server_meta: dict[str, object] = {"name": name, "namespace": "default"}
+    if annotations:
+        server_meta["annotations"] = annotations
+    return [
+        {
+            "apiVersion": API_VERSION,
+            "kind": "ModelRoute",
+            "metadata": {"name": route_name or f"{name}-route", "namespace": "default"},
+            "spec": {
+                "modelName": model,
+                "rules": [{"name": "default", "targetModels": [{"modelServerName": name}]}],
+            },
+        },
+        {
+            "apiVersion": API_VERSION,
+            "kind": "ModelServer",
+            "metadata": server_meta,
+            "spec": {
+                "inferenceEngine": engine,
+                "workloadPort": {"port": port, "protocol": "http"},
+                "workloadSelector": selector,
+                "trafficPolicy": {
+                    "timeout": timeout,
+                    "retry": {"attempts": retry_attempts, "retryInterval": "50ms"},
+                },
+                "kvConnector": {"type": connector},
+            },
+        },
+    ]
+
+
+def write_yaml(path: Path, docs: Iterable[dict[str, object]]) -> None:
+    """Write atomically, so the router's file source never reads half a file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(yaml.safe_dump_all(list(docs), sort_keys=False))
+    tmp.replace(path)
+
+
+class SimCluster:
+    """A Mooncake-backed simulated cluster of one ModelServer's pods, plus a router."""
+
+    def __init__(self, master: object, workdir: Path | None = None) -> None:
+        self.master = master
+        self.workdir = workdir or Path(tempfile.mkdtemp(prefix="pdgate-it-"))
+        self.config_dir = self.workdir / "config"
+        self.config_dir.mkdir(parents=True, exist_ok=True)
+        self.pods: dict[str, Process] = {}
+        self.router: Process | None = None
+        self.router_port = 0
+
+    @property
+    def router_url(self) -> str:
+        return f"http://127.0.0.1:{self.router_port}"
+
+    def start_pod(
+        self, spec: SimPodSpec, port: int, model: str, extra: Sequence[str] = ()
+    ) -> Process:
+        process = Process(
+            [
+                sys.executable, "-m", "engine_sim",
+                "--role", spec.role, "--host", spec.ip, "--port", str(port),
+                "--model", model, "--pod-name", spec.name,
+                "--mooncake-master", self.master.rpc_address,  # type: ignore[attr-defined]
+                "--metadata-server", self.master.metadata_url,  # type: ignore[attr-defined]
+                *spec.flags, *extra,
+            ],
+            self.workdir / f"pod-{spec.name}.log",
+        )
+        process.start()
+        self.pods[spec.name] = process
+        return process
+
+    def wait_pods(self, port: int, specs: Iterable[SimPodSpec]) -> None:
+        for spec in specs:
+            wait_http(f"http://{spec.ip}:{port}/health")
+
+    def start_router(self, extra: Sequence[str] = ()) -> Process:
+        self.router_port = free_port()
+        self.router = Process(
+            [
+                sys.executable, "-m", "router", "serve", "--config", str(self.config_dir),
+                "--host", "127.0.0.1", "--port", str(self.router_port), "--log-level", "warning",
+                *extra,
+            ],
+            self.workdir / "router.log",
+        )
+        self.router.start()
+        wait_http(f"{self.router_url}/readyz")
+        return self.router
+
+    def stop(self) -> None:
+        if self.router is not None:
+            self.router.stop()
+        for process in self.pods.values():
+            process.stop()
+
+    def router_metrics(self) -> str:
+        with urllib.request.urlopen(f"{self.router_url}/metrics", timeout=5) as response:
+            return str(response.read().decode())
+
+
+def metric_values(text: str, name: str) -> list[tuple[str, float]]:
+    """(labels, value) of every sample of `name` in a Prometheus exposition."""
+    samples = []
+    for line in text.splitlines():
+        if line.startswith(name) and (line[len(name)] in "{ "):
+            head, _, value = line.rpartition(" ")
+            samples.append((head[len(name):], float(value)))
+    return samples

@@ -1,0 +1,295 @@
+"""The PD request path end to end: real Mooncake master, simulated pods, router, openai SDK.
+
+Two PD groups of one ModelServer (nixl connector): g0 = (p0, d0), g1 = (p1, d1). Decode's
+answer is a deterministic function of the prompt and of the KV it read from the store,
+so comparing it with `expected_text(kv_from_store=True)` proves the handle travelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+
+from engine_sim.generation import expected_text
+from engine_sim.tokenizer import render_chat
+from tests.integration.harness import (
+    SimCluster,
+    SimPodSpec,
+    free_port,
+    metric_values,
+    pd_server_manifests,
+    pod_manifest,
+    wait_http,
+    write_yaml,
+)
+
+MODEL = "sim-pd-model"
+GROUPS = {"g0": ("127.0.0.31", "127.0.0.32"), "g1": ("127.0.0.41", "127.0.0.42")}
+QUESTION = [{"role": "user", "content": "Where is the capital of China?"}]
+LONG_PROMPT = "Tell me a story about rivers and mountains. " * 12  # several full KV blocks
+
+
+def _specs() -> list[SimPodSpec]:
+    specs = []
+    for group, (prefill_ip, decode_ip) in GROUPS.items():
+        for role, ip in (("prefill", prefill_ip), ("decode", decode_ip)):
+            specs.append(SimPodSpec(
+                name=f"{group}-{role}", ip=ip, role=role, group=group,
+                labels={"app": "sim-pd", "group": group, "role": role},
+            ))
+    return specs
+
+
+@pytest.fixture(scope="module")
+def cluster(mooncake_master: object, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
+    tuple[SimCluster, int]
+]:
+    sim = SimCluster(mooncake_master, tmp_path_factory.mktemp("pd-path"))
+    specs = _specs()
+    port = free_port([spec.ip for spec in specs])
+    try:
+        for spec in specs:
+            sim.start_pod(spec, port, MODEL, ["--itl-ms", "2", "--prefill-overhead-ms", "2"])
+        sim.wait_pods(port, specs)
+        write_yaml(sim.config_dir / "server.yaml", pd_server_manifests("sim-pd", MODEL, port=port))
+        write_yaml(sim.config_dir / "pods.yaml", [pod_manifest(s) for s in specs])
+        sim.start_router()
+        yield sim, port
+    finally:
+        sim.stop()
+
+
+@pytest.fixture
+def client(cluster: tuple[SimCluster, int]) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{cluster[0].router_url}/v1", api_key="unused",
+                              max_retries=0)
+
+
+def _group_of(pod_name: str | None) -> str:
+    assert pod_name is not None
+    return pod_name.split("-")[0]
+
+
+async def test_chat_non_streaming_decode_uses_prefill_kv(client: openai.AsyncOpenAI) -> None:
+    raw = await client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=QUESTION, max_tokens=12  # type: ignore[arg-type]
+    )
+    completion = raw.parse()
+    prompt = render_chat(QUESTION)
+    assert completion.choices[0].message.content == expected_text(
+        prompt, 12, kv_from_store=True, model=MODEL
+    )
+    assert completion.choices[0].message.content != expected_text(
+        prompt, 12, kv_from_store=False, model=MODEL
+    )
+    assert completion.usage is not None and completion.usage.completion_tokens == 12
+    prefill, decode = raw.headers["x-pdgate-prefill-pod"], raw.headers["x-pdgate-decode-pod"]
+    assert prefill.endswith("-prefill") and decode.endswith("-decode")
+    assert _group_of(prefill) == _group_of(decode)
+    assert raw.headers["x-request-id"]
+
+
+async def test_chat_streaming_passes_chunks_and_usage(client: openai.AsyncOpenAI) -> None:
+    messages = [{"role": "user", "content": LONG_PROMPT}]
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=20, stream=True,  # type: ignore[arg-type]
+        stream_options={"include_usage": True},
+    )
+    pieces: list[str] = []
+    usage = None
+    chunks = 0
+    async for chunk in stream:
+        chunks += 1
+        if chunk.choices and chunk.choices[0].delta.content:
+            pieces.append(chunk.choices[0].delta.content)
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert "".join(pieces) == expected_text(
+        render_chat(messages), 20, kv_from_store=True, model=MODEL
+    )
+    assert chunks >= 20  # passed through chunk by chunk, not as one buffered answer
+    assert usage is not None and usage.completion_tokens == 20
+
+
+async def test_completions_streaming_and_not(client: openai.AsyncOpenAI) -> None:
+    expected = expected_text(LONG_PROMPT, 8, kv_from_store=True, model=MODEL)
+    completion = await client.completions.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=8)
+    assert completion.choices[0].text == expected
+    stream = await client.completions.create(
+        model=MODEL, prompt=LONG_PROMPT, max_tokens=8, stream=True
+    )
+    text = "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
+    assert text == expected
+
+
+async def test_pairs_never_cross_groups_and_load_spreads(client: openai.AsyncOpenAI) -> None:
+    async def one(i: int) -> tuple[str, str]:
+        raw = await client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=[{"role": "user", "content": f"question {i}"}], max_tokens=4
+        )
+        return raw.headers["x-pdgate-prefill-pod"], raw.headers["x-pdgate-decode-pod"]
+
+    pairs = await asyncio.gather(*(one(i) for i in range(24)))
+    assert all(_group_of(p) == _group_of(d) for p, d in pairs)
+    assert {_group_of(p) for p, _ in pairs} == set(GROUPS)
+
+
+async def test_models_lists_route(client: openai.AsyncOpenAI) -> None:
+    models = await client.models.list()
+    assert MODEL in [m.id for m in models.data]
+
+
+async def test_unknown_model_is_404_with_openai_error(client: openai.AsyncOpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as caught:
+        await client.chat.completions.create(model="no-such-model", messages=QUESTION)
+    error = caught.value.body
+    assert isinstance(error, dict) and error["code"] == "model_not_found"
+    assert set(error) >= {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (b"{not json", None),
+        (b'["a list"]', None),
+        (b'{"messages": [{"role": "user", "content": "hi"}]}', "model"),
+        (b'{"model": "sim-pd-model"}', "messages"),
+        (b'{"model": "sim-pd-model", "messages": [], "stream": false}', "messages"),
+        (b'{"model": "sim-pd-model", "messages": [{"role": "user", "content": "x"}],'
+         b' "max_tokens": -3}', "max_tokens"),
+    ],
+)
+async def test_malformed_body_is_400(
+    cluster: tuple[SimCluster, int], body: bytes, param: str | None
+) -> None:
+    async with aiohttp.ClientSession() as session, session.post(
+        f"{cluster[0].router_url}/v1/chat/completions", data=body,
+        headers={"content-type": "application/json"},
+    ) as response:
+        assert response.status == 400
+        error = (await response.json())["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param
+    assert "127.0.0" not in error["message"]
+
+
+async def test_no_ready_pods_is_503(cluster: tuple[SimCluster, int]) -> None:
+    sim, port = cluster
+    write_yaml(sim.config_dir / "empty.yaml",
+               pd_server_manifests("empty-pd", "empty-model", port=port))
+    client = openai.AsyncOpenAI(base_url=f"{sim.router_url}/v1", api_key="x", max_retries=0)
+    try:
+        for _ in range(50):  # the file source polls; wait until the route exists
+            models = [m.id for m in (await client.models.list()).data]
+            if "empty-model" in models:
+                break
+            await asyncio.sleep(0.1)
+        with pytest.raises(openai.InternalServerError) as caught:
+            await client.chat.completions.create(model="empty-model", messages=QUESTION)
+        assert caught.value.status_code == 503
+    finally:
+        (sim.config_dir / "empty.yaml").unlink()
+
+
+async def test_inflight_counters_return_to_zero(
+    cluster: tuple[SimCluster, int], client: openai.AsyncOpenAI
+) -> None:
+    await client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2)
+    samples = metric_values(cluster[0].router_metrics(), "pdgate_inflight_requests")
+    assert samples, "in-flight gauge missing"
+    assert all(value == 0 for _, value in samples)
+
+
+def _router_requests(metrics: str, status: str) -> float:
+    return sum(v for labels, v in metric_values(metrics, "pdgate_requests_total")
+               if f'status="{status}"' in labels)
+
+
+async def test_yaml_edit_during_stream(cluster: tuple[SimCluster, int]) -> None:
+    """A new ModelServer and a removed pod apply while a stream is in flight, unbroken."""
+    sim, port = cluster
+    client = openai.AsyncOpenAI(base_url=f"{sim.router_url}/v1", api_key="x", max_retries=0)
+    messages = [{"role": "user", "content": "a long answer please"}]
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=150, stream=True  # ~0.3 s at 2 ms a token
+    )
+    pieces: list[str] = []
+    edited = False
+    specs = _specs()
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            pieces.append(chunk.choices[0].delta.content)
+        if not edited and len(pieces) == 5:
+            edited = True
+            # Remove group g1's decode pod (maybe serving this stream: it must finish) and add
+            # an aggregated ModelServer for a new model on the same pods' port.
+            write_yaml(sim.config_dir / "pods.yaml",
+                       [pod_manifest(s) for s in specs if s.name != "g1-decode"])
+            write_yaml(sim.config_dir / "extra.yaml", pd_server_manifests(
+                "extra-pd", "extra-model", port=port))
+            await asyncio.sleep(1.0)  # let the file source apply the edit mid-stream
+    assert "".join(pieces) == expected_text(
+        render_chat(messages), 150, kv_from_store=True, model=MODEL
+    )
+    try:
+        # The edit took effect: g1 has no decode pod, so every pair is now in g0.
+        for i in range(8):
+            raw = await client.chat.completions.with_raw_response.create(
+                model=MODEL, messages=[{"role": "user", "content": f"after edit {i}"}],
+                max_tokens=2,
+            )
+            assert raw.headers["x-pdgate-prefill-pod"] == "g0-prefill"
+        assert "extra-model" in [m.id for m in (await client.models.list()).data]
+    finally:
+        (sim.config_dir / "extra.yaml").unlink()
+        write_yaml(sim.config_dir / "pods.yaml", [pod_manifest(s) for s in specs])
+        await asyncio.sleep(1.0)
+
+
+@pytest.fixture
+def fragile_cluster(mooncake_master: object, tmp_path: Path) -> Iterator[tuple[SimCluster, int]]:
+    """Its own pods, so a test may kill one."""
+    sim = SimCluster(mooncake_master, tmp_path)
+    specs = [
+        SimPodSpec(name=f"{g}-{r}", ip=f"127.0.0.{base + i}", role=r, group=g,
+                   labels={"app": "fragile", "group": g, "role": r})
+        for g, base in (("g0", 51), ("g1", 61))
+        for i, r in enumerate(("prefill", "decode"))
+    ]
+    port = free_port([s.ip for s in specs])
+    try:
+        for spec in specs:
+            sim.start_pod(spec, port, MODEL, ["--fast"])
+        sim.wait_pods(port, specs)
+        write_yaml(sim.config_dir / "server.yaml",
+                   pd_server_manifests("fragile", MODEL, port=port, retry_attempts=3))
+        write_yaml(sim.config_dir / "pods.yaml", [pod_manifest(s) for s in specs])
+        sim.start_router()
+        yield sim, port
+    finally:
+        sim.stop()
+
+
+async def test_killed_prefill_pod_is_retried_on_other_group(
+    fragile_cluster: tuple[SimCluster, int],
+) -> None:
+    sim, _ = fragile_cluster
+    sim.pods["g0-prefill"].kill()  # still listed as Ready: the router finds out by failing
+    client = openai.AsyncOpenAI(base_url=f"{sim.router_url}/v1", api_key="x", max_retries=0)
+    for i in range(6):
+        raw = await client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=[{"role": "user", "content": f"retry me {i}"}], max_tokens=3
+        )
+        assert raw.headers["x-pdgate-prefill-pod"] == "g1-prefill"
+        assert raw.headers["x-pdgate-decode-pod"] == "g1-decode"
+    metrics = sim.router_metrics()
+    retried = sum(v for _, v in metric_values(metrics, "pdgate_retries_total"))
+    assert retried >= 1
+    assert _router_requests(metrics, "200") == 6
+    assert all(v == 0 for _, v in metric_values(metrics, "pdgate_inflight_requests"))
+    wait_http(f"{sim.router_url}/readyz")

@@ -89,7 +89,8 @@ class Attempt:
     decision: RouteDecision
     connector: KVConnector
     request_id: str
-    headers: dict[str, str]
+    headers: dict[str, str]  # toward engines
+    client_headers: Mapping[str, str]  # as the client sent them (the scheduler reads these)
     deadline: float
 
 
@@ -144,6 +145,7 @@ class Proxy:
             connector=connector,
             request_id=request_id,
             headers=_upstream_headers(client_headers, request_id, server.meta.annotations),
+            client_headers=client_headers,
             deadline=loop.time() + (server.timeout_s or DEFAULT_TIMEOUT_SECONDS),
         )
         try:
@@ -207,20 +209,36 @@ class Proxy:
         self, attempt: Attempt, server: ServerPods, avoid: set[str], out: Responder
     ) -> None:
         parsed = attempt.parsed
-        request = ScheduleRequest(parsed.model, parsed.path, parsed.body, attempt.headers)
+        request = ScheduleRequest(parsed.model, parsed.path, parsed.body, attempt.client_headers)
         pick = self.scheduler.pick(server, request, frozenset(avoid))
         if pick is None:
             raise service_unavailable(
                 f"No ready pods serve model `{parsed.model}`.", retry_after=1
             )
-        with self.inflight.holding(*pick.endpoints):
-            try:
-                await self._run_pick(attempt, pick, out)
-            except UpstreamError as exc:
-                self.metrics.upstream_error(exc.reason, exc.phase)
-                raise
+        for endpoint in pick.endpoints:
+            self.inflight.acquire(endpoint)
+        prefill_held = pick.prefill
 
-    async def _run_pick(self, attempt: Attempt, pick: Pick, out: Responder) -> None:
+        def release_prefill() -> None:
+            # A sequential prefill is over once the handle is back: stop counting it
+            # then, or prefill pods look busy for the whole decode.
+            nonlocal prefill_held
+            if prefill_held is not None:
+                self.inflight.release(prefill_held)
+                prefill_held = None
+
+        try:
+            await self._run_pick(attempt, pick, out, release_prefill)
+        except UpstreamError as exc:
+            self.metrics.upstream_error(exc.reason, exc.phase)
+            raise
+        finally:
+            release_prefill()
+            self.inflight.release(pick.decode)
+
+    async def _run_pick(
+        self, attempt: Attempt, pick: Pick, out: Responder, release_prefill: Callable[[], None]
+    ) -> None:
         parsed = attempt.parsed
         handoff: Handoff | None = None
         started = time.perf_counter()
@@ -237,6 +255,7 @@ class Proxy:
             )
             handoff = await attempt.connector.start(call, self.upstream)
             if handoff.prefill_task is None:
+                release_prefill()
                 self.metrics.phase_done("prefill", time.perf_counter() - started)
         decode_body = parsed.body if handoff is None else handoff.decode_body
         phase = "aggregated" if pick.prefill is None else "decode"

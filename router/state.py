@@ -15,7 +15,7 @@ from router.load import InFlight
 from router.metrics import RouterMetrics
 from router.proxy import Proxy
 from router.scheduling import Scheduler
-from router.scheduling.least_request import LeastRequestScheduler
+from router.scheduling.runtime import build_scheduler
 from router.sources.base import Source
 from router.upstream import Upstream
 from router.view import ClusterView, Endpoint, ServerPods, Snapshot
@@ -43,7 +43,10 @@ class AppState:
         self.view = ClusterView()
         self.inflight = InFlight(self.registry)
         self.upstream = Upstream()
-        self.scheduler: Scheduler = LeastRequestScheduler(self.inflight)
+        self.scheduler_runtime = build_scheduler(
+            config.scheduler_config, self.inflight, self.view, self.registry
+        )
+        self.scheduler: Scheduler = self.scheduler_runtime.scheduler
         self.proxy = Proxy(self.view, self.scheduler, self.inflight, self.upstream, self.metrics)
         self.sources: list[Source] = list(config.extra_sources)
         self.draining = False
@@ -88,6 +91,7 @@ class AppState:
             )
         for source in self.sources:
             self._tasks.append(asyncio.create_task(source.run(self.view)))
+        self._tasks.append(asyncio.create_task(self.scheduler_runtime.run()))
 
     async def stop(self) -> None:
         for task in self._tasks:

@@ -1,0 +1,337 @@
+"""Prompt -> block hashes: what the two prefix indexes key on.
+
+Two hashes of one request's prompt, both computed at most once per request (see
+`PromptInfo` in `context.py`) and only when a configured scorer needs them.
+
+Approximate (`approximate_block_hashes`), for the `prefix-cache` scorer
+-----------------------------------------------------------------------
+The router never sees the engine's cache, so any deterministic function of the prompt
+works as long as equal prefixes give equal leading hashes. The prompt is rendered to
+bytes (`render_prompt_bytes`, below), cut into fixed-size blocks of `block_bytes` bytes
+(only full blocks count, like an engine's cache), and chained with xxh3-64:
+
+    seed_0 = xxh3_64(model utf-8 + b"\\0" + cache_salt utf-8)        (salt "" when absent)
+    h_0    = xxh3_64(block_0, seed=seed_0)
+    h_i    = xxh3_64(block_i, seed=h_{i-1})
+
+so the model name and the `cache_salt` are mixed into the first block (two tenants or two
+models never share a chain) and h_i identifies the whole prefix up to block i.
+
+Rendering (`render_prompt_bytes`) is a canonical text form, not the engine's chat
+template: chat `tools` (sorted JSON) first, then per message `"<|" role "|>\\n"`, its
+content (a string; text parts' text; any other part as sorted JSON, so two images
+differ), the sorted JSON of `name`/`tool_calls`/`tool_call_id` when present, and `"\\n"`.
+Completions: a string prompt's UTF-8; token ids packed as 4-byte unsigned ints; of a
+batch (a list of prompts) the first.
+
+Precise (`PreciseHasher`), for the `precise-prefix-cache` scorer
+-----------------------------------------------------------------
+These must equal the engine's own block hashes, the ones its KV events carry, bit for
+bit. The contract is the engine simulator's, imported, never re-implemented:
+
+- prompt text: chat `messages` rendered with `engine_sim.tokenizer.render_chat`
+  (`add_generation_prompt` from the body, default true); completions `prompt` as given
+  (a string, token ids, or the first of a batch);
+- token ids: `engine_sim.tokenizer.encode` (a memoizing `engine_sim.tokenizer.Tokenizer`);
+- block hashes: `engine_sim.block_hash.hash_prompt_blocks(tokens, block_size,
+  cache_salt=body["cache_salt"], seed=hash_seed)`: 16-token blocks, sha256 over
+  (parent hash, token ids, extra keys), low 64 bits; the first block's parent is
+  `root_hash(seed)` and its extra keys are `(cache_salt,)`. The model name is NOT part of
+  this hash (as in vLLM).
+
+Two exact shortcuts keep the per-request cost down, and a unit test checks both against
+the reference functions:
+- a chat prompt is tokenized message by message: every rendered message starts with the
+  special token `<|im_start|>` and ends with `<|im_end|>\\n`, so no token piece crosses a
+  message boundary, and the memoizing tokenizer then re-uses a shared system prompt's
+  tokens;
+- the hashes of a prefix's blocks are memoized under an xxh3-64 of (seed, salt, the
+  prefix's token ids), at a few checkpoints (`PreciseHasher`); `hash_block_tokens`
+  computes the blocks past the longest memoized prefix.
+"""
+
+from __future__ import annotations
+
+import array
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+import orjson
+import xxhash
+
+from engine_sim.block_hash import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_HASH_SEED,
+    hash_block_tokens,
+    hash_prompt_blocks,
+    root_hash,
+)
+from engine_sim.tokenizer import Tokenizer, render_chat
+
+CHAT_PATH: Final = "/v1/chat/completions"
+
+#: Default approximate block size, in bytes of rendered prompt (about 64 tokens, 4 engine blocks).
+DEFAULT_APPROX_BLOCK_BYTES: Final = 256
+#: Default bound on the blocks of one prompt that are hashed and looked up.
+DEFAULT_MAX_PROMPT_BLOCKS: Final = 4096
+#: Bounds of the precise hasher's prefix memo: entries, and block hashes stored in all.
+PRECISE_HASH_MEMO_ENTRIES: Final = 8_192
+PRECISE_HASH_MEMO_HASHES: Final = 2_000_000
+#: Bound of the precise hasher's tokenizer caches (pieces; whole message texts).
+TOKENIZER_PIECE_CACHE: Final = 65_536
+TOKENIZER_TEXT_CACHE: Final = 1_024
+
+_xxh3 = xxhash.xxh3_64_intdigest
+_SORTED = orjson.OPT_SORT_KEYS
+_MESSAGE_EXTRAS: Final = ("name", "tool_calls", "tool_call_id")
+
+
+def _json(value: Any) -> bytes:
+    try:
+        return orjson.dumps(value, option=_SORTED)
+    except TypeError:
+        return repr(value).encode()
+
+
+def _token_bytes(tokens: Sequence[Any]) -> bytes:
+    try:
+        return array.array("I", tokens).tobytes()
+    except (TypeError, OverflowError):
+        return _json(list(tokens))
+
+
+def _render_chat_bytes(messages: Sequence[Any], tools: Any) -> bytes:
+    out: list[bytes] = []
+    if tools is not None:
+        out.append(_json(tools))
+    for message in messages:
+        if not isinstance(message, Mapping):
+            out.append(_json(message))
+            continue
+        out.append(b"<|" + str(message.get("role", "")).encode() + b"|>\n")
+        content = message.get("content")
+        if isinstance(content, str):
+            out.append(content.encode())
+        elif isinstance(content, list):
+            for part in content:
+                if isinstance(part, Mapping) and part.get("type") == "text":
+                    out.append(str(part.get("text", "")).encode())
+                else:
+                    out.append(_json(part))
+        elif content is not None:
+            out.append(_json(content))
+        for extra in _MESSAGE_EXTRAS:
+            if extra in message:
+                out.append(_json({extra: message[extra]}))
+        out.append(b"\n")
+    return b"".join(out)
+
+
+def render_prompt_bytes(path: str, body: Mapping[str, Any]) -> bytes | None:
+    """The canonical bytes of a request's prompt for approximate hashing, or None."""
+    messages = body.get("messages")
+    if path == CHAT_PATH or isinstance(messages, list):
+        if not isinstance(messages, list):
+            return None
+        return _render_chat_bytes(messages, body.get("tools"))
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch: key on its first prompt
+    if isinstance(prompt, str):
+        return prompt.encode()
+    if isinstance(prompt, list):
+        return _token_bytes(prompt)
+    return None
+
+
+def salt_of(body: Mapping[str, Any]) -> str | None:
+    salt = body.get("cache_salt")
+    return salt if isinstance(salt, str) and salt else None
+
+
+def approximate_block_hashes(
+    data: bytes,
+    model: str,
+    cache_salt: str | None,
+    block_bytes: int = DEFAULT_APPROX_BLOCK_BYTES,
+    max_blocks: int = DEFAULT_MAX_PROMPT_BLOCKS,
+) -> list[int]:
+    """Chained xxh3-64 hashes of the full `block_bytes` blocks of `data` (module docstring)."""
+    count = min(len(data) // block_bytes, max_blocks)
+    if count <= 0:
+        return []
+    seed = _xxh3(model.encode() + b"\0" + (cache_salt or "").encode())
+    view = memoryview(data)
+    hashes = [0] * count
+    start = 0
+    for i in range(count):
+        seed = _xxh3(view[start : start + block_bytes], seed)
+        hashes[i] = seed
+        start += block_bytes
+    return hashes
+
+
+TokenSource = Callable[[str, Mapping[str, Any]], Sequence[int] | None]
+
+
+@dataclass(frozen=True, slots=True)
+class PromptTokens:
+    """A prompt's token ids, and where each chat message ends in them (token counts)."""
+
+    ids: Sequence[int]
+    message_ends: tuple[int, ...] = ()
+
+
+class PreciseHasher:
+    """Engine-exact block hashes of a request (see the module docstring for the contract).
+
+    `tokenize` may be injected (path, body -> token ids or None); by default the engine
+    simulator's template and tokenizer are used. One instance per scheduler: it owns its
+    bounded caches, nothing is global.
+
+    Memo: (seed, salt, token ids of a prefix) -> the hashes of that prefix's full blocks,
+    stored at checkpoints (the end of the first message, of the last two messages, and
+    every power-of-two block count) and probed from the longest checkpoint down, so a
+    shared system prompt or a conversation's earlier turns cost one xxh3 call over their
+    tokens instead of one sha256 per block. Bounded by `PRECISE_HASH_MEMO_ENTRIES`
+    entries and `PRECISE_HASH_MEMO_HASHES` stored hashes, oldest entries dropped first.
+    """
+
+    def __init__(
+        self,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        hash_seed: str = DEFAULT_HASH_SEED,
+        tokenize: TokenSource | None = None,
+        memo_entries: int = PRECISE_HASH_MEMO_ENTRIES,
+        max_blocks: int = DEFAULT_MAX_PROMPT_BLOCKS,
+        memo_hashes: int = PRECISE_HASH_MEMO_HASHES,
+    ) -> None:
+        if block_size <= 0:
+            raise ValueError("block_size must be positive")
+        self.block_size = block_size
+        self.hash_seed = hash_seed
+        self.max_blocks = max_blocks
+        self._root = root_hash(hash_seed)
+        self._memo: OrderedDict[int, tuple[int, ...]] = OrderedDict()
+        self._memo_entries = memo_entries
+        self._memo_hashes = memo_hashes
+        self._memo_stored = 0
+        self._tokenizer = Tokenizer(TOKENIZER_PIECE_CACHE, TOKENIZER_TEXT_CACHE)
+        self._injected = tokenize
+        probe = {"role": "user", "content": ""}
+        with_prompt = self._tokenizer.encode(render_chat([probe], add_generation_prompt=True))
+        without = self._tokenizer.encode(render_chat([probe], add_generation_prompt=False))
+        self._generation_suffix: tuple[int, ...] = with_prompt[len(without) :]
+
+    def tokens(self, path: str, body: Mapping[str, Any]) -> PromptTokens | None:
+        """The prompt's token ids as the engine computes them, or None if unknown."""
+        if self._injected is not None:
+            ids = self._injected(path, body)
+            return None if ids is None else PromptTokens(ids)
+        messages = body.get("messages")
+        if path == CHAT_PATH or isinstance(messages, list):
+            if not isinstance(messages, list) or not messages:
+                return None
+            encode = self._tokenizer.encode
+            tokens: list[int] = []
+            ends: list[int] = []
+            try:
+                for message in messages:
+                    tokens.extend(encode(render_chat([message], add_generation_prompt=False)))
+                    ends.append(len(tokens))
+            except (ValueError, TypeError):
+                return None
+            if bool(body.get("add_generation_prompt", True)):
+                tokens.extend(self._generation_suffix)
+            return PromptTokens(tokens, tuple(ends))
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return PromptTokens(self._tokenizer.encode(prompt))
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return PromptTokens(prompt)
+        return None
+
+    def block_hashes(
+        self, tokens: Sequence[int], cache_salt: str | None, message_ends: Sequence[int] = ()
+    ) -> list[int]:
+        """Engine block hashes of every full block of `tokens` (memoized; exact)."""
+        size = self.block_size
+        count = min(len(tokens) // size, self.max_blocks)
+        if count <= 0:
+            return []
+        limit = count * size
+        try:
+            packed = array.array("I", tokens[:limit]).tobytes()
+        except (TypeError, OverflowError):
+            return hash_prompt_blocks(
+                tokens[:limit], size, cache_salt=cache_salt, seed=self.hash_seed
+            )
+        seed = _xxh3((cache_salt or "").encode(), self._root)
+        checkpoints = self._checkpoints(count, size, limit, message_ends)
+        memo = self._memo
+        view = memoryview(packed)
+        keys: list[tuple[int, int]] = []
+        known: tuple[int, ...] = ()
+        for point in checkpoints:  # longest first
+            key = _xxh3(view[: point * 4], seed)
+            hit = memo.get(key)
+            if hit is not None:
+                known = hit
+                break
+            keys.append((point, key))
+        hashes = list(known)
+        parent = hashes[-1] if hashes else self._root
+        for i in range(len(hashes), count):
+            extra = (cache_salt,) if i == 0 and cache_salt is not None else None
+            parent = hash_block_tokens(parent, tokens[i * size : (i + 1) * size], extra)
+            hashes.append(parent)
+        for point, key in keys:
+            self._remember(key, tuple(hashes[: point // size]))
+        return hashes
+
+    @staticmethod
+    def _checkpoints(
+        count: int, size: int, limit: int, message_ends: Sequence[int]
+    ) -> list[int]:
+        """Token counts at which prefixes are memoized, longest first."""
+        points = {limit}
+        blocks = 1
+        while blocks < count:
+            points.add(blocks * size)
+            blocks *= 2
+        if message_ends:
+            for end in (message_ends[0], *message_ends[-2:]):
+                if size <= end <= limit:
+                    points.add(end)
+        return sorted(points, reverse=True)
+
+    def _remember(self, key: int, hashes: tuple[int, ...]) -> None:
+        if not hashes or key in self._memo:
+            return
+        self._memo[key] = hashes
+        self._memo_stored += len(hashes)
+        while self._memo and (
+            len(self._memo) > self._memo_entries or self._memo_stored > self._memo_hashes
+        ):
+            _, dropped = self._memo.popitem(last=False)
+            self._memo_stored -= len(dropped)
+
+    @property
+    def memo_size(self) -> int:
+        return len(self._memo)
+
+
+__all__ = [
+    "DEFAULT_APPROX_BLOCK_BYTES",
+    "DEFAULT_MAX_PROMPT_BLOCKS",
+    "PRECISE_HASH_MEMO_ENTRIES",
+    "PreciseHasher",
+    "PromptTokens",
+    "approximate_block_hashes",
+    "render_prompt_bytes",
+    "salt_of",
+]

@@ -1,0 +1,312 @@
+"""What one scheduling decision works on: the request's prompt, the candidates, the cost model.
+
+Everything here is built per request and lives only for that request, except
+`SchedulerDeps` (the long-lived state scorers read) and `LoadEstimator` (one running
+average). Lists are parallel arrays indexed by candidate position, so a scorer fills a
+preallocated `list[float]` instead of building dicts.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Final, Literal
+
+from router.load import InFlight
+from router.scheduling import ScheduleRequest
+from router.scheduling.approx_index import ApproximatePrefixIndex
+from router.scheduling.block_hash import (
+    PreciseHasher,
+    PromptTokens,
+    approximate_block_hashes,
+    render_prompt_bytes,
+    salt_of,
+)
+from router.scheduling.metrics_scraper import EngineLoad, EngineMetricsStore
+from router.scheduling.precise_index import PrecisePrefixIndex
+from router.view import Endpoint, ServerPods
+
+RoleName = Literal["prefill", "decode", "aggregated"]
+SESSION_HEADER: Final = "x-session-id"
+#: Prompt length assumed before any request was seen (tokens), for the running average.
+INITIAL_MEAN_UNCACHED_TOKENS: Final = 512.0
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    """Seconds per unit of work: the `ttft` unit's conversion factors (config `costModel`).
+
+    Predicted TTFT of a candidate = queue wait + uncached prompt tokens x
+    `prefill_s_per_token` (+ `prefill_overhead_s` + prompt tokens x
+    `transfer_s_per_token`, the same for every candidate). Defaults match the engine
+    simulator's latency model.
+    """
+
+    prefill_s_per_token: float = 1e-4
+    prefill_overhead_s: float = 0.005
+    transfer_s_per_token: float = 2e-6
+    #: Floor of the mean prefill time one queued request adds.
+    min_request_prefill_s: float = 0.005
+    #: Share of a prefill one in-flight request costs a newcomer on an aggregated pod
+    #: (in-flight requests there are mostly decoding, batched with the new prefill).
+    aggregated_load_factor: float = 0.5
+    #: Extra TTFT per request ahead of this one in a decode pod's queue.
+    decode_admission_s: float = 0.01
+    #: Extra TTFT at a full KV cache (preemption, admission stalls); scaled by usage.
+    kv_full_penalty_s: float = 0.5
+    #: Seconds one unit of a scorer with no natural scale (session, random) is worth.
+    seconds_per_point: float = 0.05
+    #: Weight of the newest request in the running mean of uncached prompt tokens.
+    ewma_alpha: float = 0.05
+
+
+class LoadEstimator:
+    """Running mean of uncached prompt tokens per request: one request's prefill time."""
+
+    __slots__ = ("mean_uncached_tokens",)
+
+    def __init__(self, initial_tokens: float = INITIAL_MEAN_UNCACHED_TOKENS) -> None:
+        self.mean_uncached_tokens = initial_tokens
+
+    def observe(self, uncached_tokens: float, alpha: float) -> None:
+        self.mean_uncached_tokens += alpha * (uncached_tokens - self.mean_uncached_tokens)
+
+    def mean_prefill_s(self, cost: CostModel) -> float:
+        return max(cost.min_request_prefill_s, self.mean_uncached_tokens * cost.prefill_s_per_token)
+
+
+@dataclass(slots=True)
+class SessionTable:
+    """Session id -> pod key per role, an LRU bounded by `max_sessions`."""
+
+    max_sessions: int
+    _table: OrderedDict[tuple[str, str], str]
+
+    @classmethod
+    def create(cls, max_sessions: int) -> SessionTable:
+        return cls(max_sessions, OrderedDict())
+
+    def get(self, role: str, session: str) -> str | None:
+        return self._table.get((role, session))
+
+    def put(self, role: str, session: str, key: str) -> None:
+        table = self._table
+        entry = (role, session)
+        table[entry] = key
+        table.move_to_end(entry)
+        while len(table) > self.max_sessions:
+            table.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+
+@dataclass(slots=True)
+class SchedulerDeps:
+    """The long-lived state scorers and filters read; shared by every profile."""
+
+    inflight: InFlight
+    engines: EngineMetricsStore
+    approx: ApproximatePrefixIndex
+    precise: PrecisePrefixIndex
+    hasher: PreciseHasher
+    sessions: SessionTable
+    rng: random.Random
+    is_ejected: Callable[[str], bool]
+    estimator: LoadEstimator
+
+
+class PromptInfo:
+    """The request's prompt, hashed lazily and at most once per request."""
+
+    __slots__ = (
+        "_approx",
+        "_block_bytes",
+        "_chars_per_token",
+        "_hasher",
+        "_max_blocks",
+        "_precise",
+        "_rendered",
+        "_tokens",
+        "request",
+    )
+
+    def __init__(
+        self,
+        request: ScheduleRequest,
+        hasher: PreciseHasher,
+        block_bytes: int,
+        max_blocks: int,
+        chars_per_token: float,
+    ) -> None:
+        self.request = request
+        self._hasher = hasher
+        self._block_bytes = block_bytes
+        self._max_blocks = max_blocks
+        self._chars_per_token = chars_per_token
+        self._rendered: bytes | bool | None = False
+        self._approx: list[int] | None = None
+        self._tokens: PromptTokens | bool | None = False
+        self._precise: list[int] | None = None
+
+    def rendered(self) -> bytes | None:
+        if self._rendered is False:
+            req = self.request
+            self._rendered = render_prompt_bytes(req.path, req.body)
+        return self._rendered if isinstance(self._rendered, bytes) else None
+
+    def approx_hashes(self) -> list[int]:
+        if self._approx is None:
+            data = self.rendered()
+            body = self.request.body
+            model = body.get("model")
+            self._approx = (
+                []
+                if data is None
+                else approximate_block_hashes(
+                    data,
+                    model if isinstance(model, str) else self.request.model,
+                    salt_of(body),
+                    self._block_bytes,
+                    self._max_blocks,
+                )
+            )
+        return self._approx
+
+    def tokens(self) -> PromptTokens | None:
+        if self._tokens is False:
+            req = self.request
+            self._tokens = self._hasher.tokens(req.path, req.body)
+        return self._tokens if isinstance(self._tokens, PromptTokens) else None
+
+    def precise_hashes(self) -> list[int]:
+        if self._precise is None:
+            tokens = self.tokens()
+            salt = salt_of(self.request.body)
+            self._precise = (
+                []
+                if tokens is None
+                else self._hasher.block_hashes(tokens.ids, salt, tokens.message_ends)
+            )
+        return self._precise
+
+    def token_count(self) -> int:
+        """Exact when the precise hash was computed, else estimated from the rendered bytes."""
+        if isinstance(self._tokens, PromptTokens):
+            return len(self._tokens.ids)
+        data = self.rendered()
+        return 0 if data is None else int(len(data) / self._chars_per_token)
+
+    @property
+    def precise_block_size(self) -> int:
+        return self._hasher.block_size
+
+    @property
+    def approx_block_bytes(self) -> int:
+        return self._block_bytes
+
+
+class Candidates:
+    """The pods still in the running for one role, with their loads read once."""
+
+    __slots__ = ("engine", "inflight", "keys", "pods")
+
+    def __init__(
+        self,
+        pods: list[Endpoint],
+        keys: list[str],
+        inflight: list[int],
+        engine: list[EngineLoad | None],
+    ) -> None:
+        self.pods = pods
+        self.keys = keys
+        self.inflight = inflight
+        self.engine = engine
+
+    @classmethod
+    def read(
+        cls, pods: list[Endpoint], keys: list[str], deps: SchedulerDeps, now: float
+    ) -> Candidates:
+        get = deps.inflight.get
+        return cls(pods, keys, [get(p) for p in pods], deps.engines.get_many(keys, now))
+
+    def subset(self, keep: list[int]) -> Candidates:
+        return Candidates(
+            [self.pods[i] for i in keep],
+            [self.keys[i] for i in keep],
+            [self.inflight[i] for i in keep],
+            [self.engine[i] for i in keep],
+        )
+
+    def __len__(self) -> int:
+        return len(self.pods)
+
+    def loads(self) -> list[float]:
+        """Router in-flight plus the engine's waiting queue when known: the guard's measure."""
+        return [
+            n + (e.waiting if e is not None and e.waiting is not None else 0.0)
+            for n, e in zip(self.inflight, self.engine, strict=True)
+        ]
+
+
+class PickContext:
+    """One request's decision: inputs, and what scorers found that the pipeline reports."""
+
+    __slots__ = (
+        "approx_depths",
+        "approx_hashes",
+        "cost",
+        "deps",
+        "mean_prefill_s",
+        "now",
+        "precise_hashes",
+        "precise_local",
+        "precise_reach",
+        "prompt",
+        "request",
+        "role",
+        "server",
+        "store_factor",
+    )
+
+    def __init__(
+        self,
+        request: ScheduleRequest,
+        server: ServerPods,
+        prompt: PromptInfo,
+        deps: SchedulerDeps,
+        cost: CostModel,
+        now: float,
+    ) -> None:
+        self.request = request
+        self.server = server
+        self.prompt = prompt
+        self.deps = deps
+        self.cost = cost
+        self.now = now
+        self.role: RoleName = "aggregated"
+        self.mean_prefill_s = deps.estimator.mean_prefill_s(cost)
+        # Filled by the prefix scorers for the candidates they scored (same order).
+        self.approx_depths: list[int] | None = None
+        self.approx_hashes = 0
+        self.precise_local: list[int] | None = None
+        self.precise_reach: list[int] | None = None
+        self.precise_hashes = 0
+        self.store_factor = 1.0
+
+    def session_id(self) -> str | None:
+        headers = self.request.headers
+        value = headers.get(SESSION_HEADER)
+        if value is None:
+            value = headers.get("X-Session-Id")
+        return value or None
+
+    def per_request_s(self) -> float:
+        """The wait one request ahead in the queue adds, for the current role (seconds)."""
+        if self.role == "decode":
+            return self.cost.decode_admission_s
+        if self.role == "aggregated":
+            return self.mean_prefill_s * self.cost.aggregated_load_factor
+        return self.mean_prefill_s

@@ -1,0 +1,122 @@
+"""The scheduler's Prometheus metrics, in the registry the app passes in (no globals).
+
+Label sets are small and fixed (index kind, role, reason): no per-pod labels, so the
+exposition stays cheap at hundreds of pods. Labelled children used on the per-request
+path are resolved once here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Final
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+DECISION_BUCKETS: Final = (
+    5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2,
+)  # fmt: skip
+TTFT_BUCKETS: Final = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+)  # fmt: skip
+INDEX_KINDS: Final = ("approximate", "precise")
+
+
+class SchedulerMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.prefix_queries = Counter(
+            "pdgate_prefix_cache_queries",
+            "Prompt blocks looked up for the pod each request was sent to (prefill or "
+            "aggregated), by index.",
+            ["index"], registry=registry,
+        )
+        self.prefix_hits = Counter(
+            "pdgate_prefix_cache_hits",
+            "Prompt blocks the chosen pod held according to the index, by index.",
+            ["index"], registry=registry,
+        )
+        self.queries = {kind: self.prefix_queries.labels(index=kind) for kind in INDEX_KINDS}
+        self.hits = {kind: self.prefix_hits.labels(index=kind) for kind in INDEX_KINDS}
+        self.index_blocks = Gauge(
+            "pdgate_prefix_index_blocks", "Block entries held by a prefix index.",
+            ["index"], registry=registry,
+        )
+        self.index_memory = Gauge(
+            "pdgate_prefix_index_memory_bytes", "Estimated memory of a prefix index.",
+            ["index"], registry=registry,
+        )
+        self.index_evictions = Gauge(
+            "pdgate_prefix_index_evictions",
+            "Entries a prefix index dropped to stay within its bounds (since start).",
+            ["index"], registry=registry,
+        )
+        self.decision = Histogram(
+            "pdgate_scheduler_decision_seconds",
+            "Time the scheduler took to pick the pods of one request.",
+            ["kind"], buckets=DECISION_BUCKETS, registry=registry,
+        )
+        self.decision_pd = self.decision.labels(kind="pd")
+        self.decision_aggregated = self.decision.labels(kind="aggregated")
+        self.predicted_ttft = Histogram(
+            "pdgate_scheduler_predicted_ttft_seconds",
+            "Predicted time to first token of the chosen pods (ttft-unit profiles): queue "
+            "wait + uncached prefill + transfer. Compare with pdgate_ttft_seconds.",
+            ["kind"], buckets=TTFT_BUCKETS, registry=registry,
+        )
+        self.predicted_pd = self.predicted_ttft.labels(kind="pd")
+        self.predicted_aggregated = self.predicted_ttft.labels(kind="aggregated")
+        self.guard_overrides = Counter(
+            "pdgate_scheduler_guard_overrides",
+            "Picks where the load guard overrode the best-scored (cache-affine) pod.",
+            ["role"], registry=registry,
+        )
+        self.guard = {
+            role: self.guard_overrides.labels(role=role)
+            for role in ("prefill", "decode", "aggregated")
+        }
+        self.filter_fallbacks = Counter(
+            "pdgate_scheduler_filter_fallbacks",
+            "Times a filter would have removed every candidate and was skipped.",
+            ["filter"], registry=registry,
+        )
+        self.scrapes = Counter(
+            "pdgate_engine_scrapes", "Engine /metrics scrapes that succeeded.",
+            registry=registry,
+        )
+        self.scrape_errors = Counter(
+            "pdgate_engine_scrape_errors", "Engine /metrics scrapes that failed, by reason.",
+            ["reason"], registry=registry,
+        )
+        self.kv_event_batches = Counter(
+            "pdgate_kv_event_batches", "KV event batches applied to the precise index.",
+            registry=registry,
+        )
+        self.kv_event_errors = Counter(
+            "pdgate_kv_event_errors", "KV event messages that could not be used.",
+            registry=registry,
+        )
+        self.kv_event_gaps = Counter(
+            "pdgate_kv_event_gaps", "Sequence gaps seen on KV event streams.",
+            registry=registry,
+        )
+        self.kv_event_resyncs = Counter(
+            "pdgate_kv_event_resyncs",
+            "Precise index resyncs of one pod: replay, clear (replay failed), restart.",
+            ["how"], registry=registry,
+        )
+        self.config_reloads = Counter(
+            "pdgate_scheduler_config_reloads", "Scheduler config reloads, by result.",
+            ["result"], registry=registry,
+        )
+
+    def track_index(
+        self,
+        kind: str,
+        blocks: Callable[[], float],
+        memory: Callable[[], float],
+        evictions: Callable[[], float],
+    ) -> None:
+        """Report an index's size at exposition time (no work on the request path)."""
+        self.index_blocks.labels(index=kind).set_function(blocks)
+        self.index_memory.labels(index=kind).set_function(memory)
+        self.index_evictions.labels(index=kind).set_function(evictions)

@@ -1,0 +1,325 @@
+"""Engine load from every pod's `/metrics`, scraped concurrently, never trusted when stale.
+
+Every `interval_s` (default 200 ms) each pod of the view whose previous scrape has
+finished is scraped again (a slow pod delays only itself); at most `max_concurrency`
+requests are open at once, each bounded by `timeout_s`. A value older than
+`stale_after_intervals` x `interval_s` is unknown: `EngineMetricsStore.get` returns None
+and scorers fall back to their neutral value.
+
+Parsing is a byte search for the few names below (no full exposition parser: vLLM's
+page is thousands of histogram lines):
+
+    running   vllm:num_requests_running | sglang:num_running_reqs       (summed over series)
+    waiting   vllm:num_requests_waiting | sglang:num_queue_reqs         (summed over series)
+    kv usage  vllm:kv_cache_usage_perc, else vllm:gpu_cache_usage_perc,
+              else sglang:token_usage                                    (0..1, max of series)
+    capacity  vllm:cache_config_info labels num_gpu_blocks x block_size, else
+              sglang:max_total_num_tokens                                (tokens, summed)
+
+The capacity sizes the approximate prefix index (`on_capacity` callback, on change only).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Final
+
+import aiohttp
+
+from router.scheduling.metrics import SchedulerMetrics
+from router.view import Snapshot
+
+log = logging.getLogger("pdgate.scheduling.metrics_scraper")
+
+DEFAULT_INTERVAL_S: Final = 0.2
+DEFAULT_TIMEOUT_S: Final = 1.0
+DEFAULT_STALE_AFTER_INTERVALS: Final = 5
+DEFAULT_MAX_CONCURRENCY: Final = 32
+#: Largest /metrics page read, in bytes (the rest is ignored).
+MAX_METRICS_BYTES: Final = 4 << 20
+#: Connection pool bounds of the scraper's own HTTP client.
+MAX_CONNECTIONS: Final = 64
+MAX_CONNECTIONS_PER_HOST: Final = 2
+#: Below vLLM's 5 s idle timeout, so a kept-alive connection is never reset under us.
+KEEPALIVE_S: Final = 4.0
+
+_RUNNING: Final = (b"vllm:num_requests_running", b"sglang:num_running_reqs")
+_WAITING: Final = (b"vllm:num_requests_waiting", b"sglang:num_queue_reqs")
+_USAGE: Final = (b"vllm:kv_cache_usage_perc", b"vllm:gpu_cache_usage_perc", b"sglang:token_usage")
+_CACHE_INFO: Final = b"vllm:cache_config_info"
+_SGLANG_CAPACITY: Final = b"sglang:max_total_num_tokens"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """One pod's engine-reported load; fields are None when the engine does not report them."""
+
+    running: float | None = None
+    waiting: float | None = None
+    kv_usage: float | None = None
+    capacity_tokens: int | None = None
+    at: float = 0.0  # time.monotonic() of the scrape
+
+
+def _samples(data: bytes, name: bytes) -> list[tuple[bytes, float]]:
+    """(labels text, value) of every sample of `name` in an exposition (data starts "\\n")."""
+    out: list[tuple[bytes, float]] = []
+    needle = b"\n" + name
+    size = len(needle)
+    pos = data.find(needle)
+    while pos >= 0:
+        start = pos + size
+        end = data.find(b"\n", start)
+        if end < 0:
+            end = len(data)
+        line = data[start:end]
+        labels = b""
+        if line[:1] == b"{":
+            close = line.rfind(b"}")
+            if close < 0:
+                pos = data.find(needle, end)
+                continue
+            labels = line[1:close]
+            rest = line[close + 1 :]
+        elif line[:1] == b" ":
+            rest = line
+        else:  # a longer name that merely starts with `name`
+            pos = data.find(needle, end)
+            continue
+        fields = rest.split()
+        if fields:
+            try:
+                out.append((labels, float(fields[0])))
+            except ValueError:
+                pass
+        pos = data.find(needle, end)
+    return out
+
+
+def _label(labels: bytes, name: bytes) -> bytes | None:
+    key = name + b'="'
+    pos = labels.find(key)
+    while pos > 0 and labels[pos - 1 : pos] not in (b",", b"{", b" "):
+        pos = labels.find(key, pos + 1)
+    if pos < 0:
+        return None
+    start = pos + len(key)
+    end = labels.find(b'"', start)
+    return None if end < 0 else labels[start:end]
+
+
+def _sum(data: bytes, names: tuple[bytes, ...]) -> float | None:
+    for name in names:
+        samples = _samples(data, name)
+        if samples:
+            return sum(value for _, value in samples)
+    return None
+
+
+def parse_engine_metrics(body: bytes, at: float = 0.0) -> EngineLoad:
+    """The load fields of one /metrics page (vLLM or SGLang names; see the module docstring)."""
+    data = b"\n" + body
+    usage: float | None = None
+    for name in _USAGE:
+        samples = _samples(data, name)
+        if samples:
+            usage = min(1.0, max(0.0, max(value for _, value in samples)))
+            break
+    capacity: int | None = None
+    total = 0
+    for labels, _ in _samples(data, _CACHE_INFO):
+        blocks = _label(labels, b"num_gpu_blocks")
+        block_size = _label(labels, b"block_size")
+        try:
+            if blocks is not None and block_size is not None:
+                total += int(blocks) * int(block_size)
+        except ValueError:
+            continue
+    if total > 0:
+        capacity = total
+    else:
+        tokens = _sum(data, (_SGLANG_CAPACITY,))
+        if tokens is not None and tokens > 0:
+            capacity = int(tokens)
+    return EngineLoad(
+        running=_sum(data, _RUNNING),
+        waiting=_sum(data, _WAITING),
+        kv_usage=usage,
+        capacity_tokens=capacity,
+        at=at,
+    )
+
+
+class EngineMetricsStore:
+    """The last scrape of each pod; `get` answers only while it is fresh."""
+
+    def __init__(self, stale_after_s: float = DEFAULT_INTERVAL_S * DEFAULT_STALE_AFTER_INTERVALS):
+        self.stale_after_s = stale_after_s
+        self._loads: dict[str, EngineLoad] = {}
+
+    def get(self, key: str, now: float) -> EngineLoad | None:
+        load = self._loads.get(key)
+        if load is None or now - load.at > self.stale_after_s:
+            return None
+        return load
+
+    def get_many(self, keys: list[str], now: float) -> list[EngineLoad | None]:
+        """`get` for many pods at once (one call per decision, not one per pod)."""
+        get = self._loads.get
+        oldest = now - self.stale_after_s
+        out: list[EngineLoad | None] = [get(key) for key in keys]
+        for i, load in enumerate(out):
+            if load is not None and load.at < oldest:
+                out[i] = None
+        return out
+
+    def put(self, key: str, load: EngineLoad) -> None:
+        self._loads[key] = load
+
+    def retain(self, keys: set[str]) -> None:
+        for key in [k for k in self._loads if k not in keys]:
+            del self._loads[key]
+
+    def __len__(self) -> int:
+        return len(self._loads)
+
+
+@dataclass(slots=True)
+class ScrapeSettings:
+    interval_s: float = DEFAULT_INTERVAL_S
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    stale_after_intervals: float = DEFAULT_STALE_AFTER_INTERVALS
+    max_concurrency: int = DEFAULT_MAX_CONCURRENCY
+    enabled: bool = True
+
+
+class MetricsScraper:
+    """Scrapes every pod of the view into an `EngineMetricsStore` (run it as a task)."""
+
+    def __init__(
+        self,
+        store: EngineMetricsStore,
+        metrics: SchedulerMetrics,
+        settings: ScrapeSettings | None = None,
+        on_capacity: Callable[[str, int | None], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store = store
+        self._metrics = metrics
+        self.settings = settings or ScrapeSettings()
+        self._on_capacity = on_capacity
+        self._clock = clock
+        self._pods: dict[str, str] = {}  # key -> base URL
+        self._running: dict[str, asyncio.Task[None]] = {}
+        self._capacity: dict[str, int | None] = {}
+        self._apply_settings()
+
+    def _apply_settings(self) -> None:
+        s = self.settings
+        self.store.stale_after_s = s.interval_s * s.stale_after_intervals
+        self._semaphore = asyncio.Semaphore(max(1, s.max_concurrency))
+
+    def reconfigure(self, settings: ScrapeSettings) -> None:
+        self.settings = settings
+        self._apply_settings()
+
+    def on_snapshot(self, snapshot: Snapshot) -> None:
+        pods: dict[str, str] = {}
+        for server in snapshot.servers.values():
+            for pod in server.aggregated:
+                pods.setdefault(pod.key, pod.base_url)
+            for group in server.groups:
+                for pod in group.prefill + group.decode:
+                    pods.setdefault(pod.key, pod.base_url)
+        self._pods = pods
+        self.store.retain(set(pods))
+        for key in [k for k in self._capacity if k not in pods]:
+            del self._capacity[key]
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        connector = aiohttp.TCPConnector(
+            limit=MAX_CONNECTIONS, limit_per_host=MAX_CONNECTIONS_PER_HOST,
+            keepalive_timeout=KEEPALIVE_S,
+        )
+        async with aiohttp.ClientSession(connector=connector, auto_decompress=True) as session:
+            try:
+                while True:
+                    began = loop.time()
+                    pods = self._pods if self.settings.enabled else {}
+                    for key, url in pods.items():
+                        if key not in self._running:
+                            task = asyncio.create_task(self._scrape(session, key, url))
+                            self._running[key] = task
+                            task.add_done_callback(self._finished(key))
+                    interval = self.settings.interval_s
+                    await asyncio.sleep(max(0.0, interval - (loop.time() - began)))
+            finally:
+                tasks = list(self._running.values())
+                for task in tasks:
+                    task.cancel()
+                for task in tasks:
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await task
+
+    def _finished(self, key: str) -> Callable[[asyncio.Task[None]], None]:
+        def done(_task: asyncio.Task[None]) -> None:
+            self._running.pop(key, None)
+
+        return done
+
+    async def scrape_once(self, session: aiohttp.ClientSession) -> None:
+        """Scrape every pod once and wait for all of them (tests, warm-up)."""
+        await asyncio.gather(
+            *(self._scrape(session, key, url) for key, url in self._pods.items())
+        )
+
+    async def _scrape(self, session: aiohttp.ClientSession, key: str, url: str) -> None:
+        timeout = self.settings.timeout_s
+        try:
+            async with self._semaphore:
+                async with asyncio.timeout(timeout):
+                    async with session.get(
+                        url + "/metrics",
+                        timeout=aiohttp.ClientTimeout(
+                            total=None, sock_connect=timeout, sock_read=timeout
+                        ),
+                    ) as response:
+                        if response.status != 200:
+                            self._metrics.scrape_errors.labels(reason="http").inc()
+                            return
+                        body = await _read_bounded(response)
+        except TimeoutError:
+            self._metrics.scrape_errors.labels(reason="timeout").inc()
+            return
+        except (aiohttp.ClientError, OSError):
+            self._metrics.scrape_errors.labels(reason="connect").inc()
+            return
+        if key not in self._pods:
+            return  # the pod left while we were reading
+        load = parse_engine_metrics(body, self._clock())
+        if load.running is None and load.waiting is None and load.kv_usage is None:
+            self._metrics.scrape_errors.labels(reason="parse").inc()
+            return
+        self.store.put(key, load)
+        self._metrics.scrapes.inc()
+        if self._on_capacity is not None and self._capacity.get(key) != load.capacity_tokens:
+            self._capacity[key] = load.capacity_tokens
+            self._on_capacity(key, load.capacity_tokens)
+
+
+async def _read_bounded(response: aiohttp.ClientResponse) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while size < MAX_METRICS_BYTES:
+        chunk = await response.content.readany()
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)[:MAX_METRICS_BYTES]

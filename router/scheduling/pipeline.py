@@ -1,0 +1,438 @@
+"""The scheduling pipeline: filters -> weighted scorers -> picker, per role, PD-aware.
+
+One decision (`PipelineScheduler.pick`):
+
+1. Candidates per role. Aggregated server: its pods, role `aggregated`. PD server: every
+   prefill pod (role `prefill`) and every decode pod (role `decode`) of every group.
+   Pods in `avoid` are dropped, then each profile filter runs; each step is skipped when
+   it would leave a role with nothing (filters are soft). If no group keeps both a
+   prefill and a decode pod, the filters are relaxed, then `avoid`.
+2. Cost per candidate: the profile's scorers combined (`scorers.base`), in seconds of
+   predicted TTFT (unit `ttft`, the default) or in 0..1 (unit `score`). Affinity scores
+   (cache, session) within `cacheSimilarity` of the best count as the best, so among
+   pods with a similar cache benefit, load decides.
+3. Guard: a candidate whose load (router in-flight + engine waiting) is at least
+   `guard.absolute` above the least loaded AND at least `guard.relative` times it is
+   excluded (its cost gets `GUARD_PENALTY`), whatever its affinity
+   (`pdgate_scheduler_guard_overrides_total` counts the times this changed the winner).
+4. PD pairs are scored together: per group, the best prefill and the best decode; the
+   pair's cost is prefill + `decodeWeight` x decode (ttft) or their weighted mean
+   (score). So a group whose decode side is saturated (filtered) or loaded (costly) is not
+   chosen for its warm prefill pod. The pair cost is separable, so this costs
+   O(prefill pods + decode pods), not their product.
+5. Ties: every candidate (or group) whose cost is within `tieTolerance` of the best
+   (x one mean prefill time in ttft unit) is equally good; one is drawn with the
+   scheduler's `random.Random` (injectable, seedable), never by list order.
+6. Dispatch bookkeeping: scorers see the chosen pod (`picked`: the approximate index
+   records the prompt, session affinity remembers the pod), the prefix-cache hit
+   counters are bumped for the chosen prefill/aggregated pod, the running mean of
+   uncached tokens is updated, and the decision time and (ttft unit) the predicted TTFT
+   of the choice (+ `prefill_overhead_s` + prompt tokens x `transfer_s_per_token`) are
+   observed.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from router.scheduling import Pick, ScheduleRequest
+from router.scheduling.config import ProfileConfig, SchedulerConfig
+from router.scheduling.context import (
+    Candidates,
+    PickContext,
+    PromptInfo,
+    SchedulerDeps,
+)
+from router.scheduling.filters import FILTERS, Filter
+from router.scheduling.metrics import SchedulerMetrics
+from router.scheduling.scorers import SCORERS, Scorer
+from router.view import Endpoint, ServerPods
+
+_INF = math.inf
+#: Added to the cost of a candidate the guard excludes: it loses to any other candidate,
+#: yet a group with one guarded side still beats a group with two.
+GUARD_PENALTY = 1e12
+
+
+class Profile:
+    """One role's filters, scorers and picker settings, built from a `ProfileConfig`."""
+
+    __slots__ = (
+        "config",
+        "filters",
+        "guard_absolute",
+        "guard_relative",
+        "name",
+        "scorers",
+        "similarity",
+        "tie_tolerance",
+        "ttft",
+    )
+
+    def __init__(self, name: str, config: ProfileConfig, deps: SchedulerDeps) -> None:
+        self.name = name
+        self.config = config
+        self.filters: list[Filter] = [FILTERS[s.type](deps, s.params) for s in config.filters]
+        self.scorers: list[Scorer] = [
+            SCORERS[s.type](s.weight, deps, s.params) for s in config.scorers if s.weight > 0
+        ]
+        self.ttft = config.unit == "ttft"
+        picker = config.picker
+        self.tie_tolerance = picker.tie_tolerance
+        self.similarity = picker.cache_similarity
+        self.guard_absolute = picker.guard.absolute
+        self.guard_relative = picker.guard.relative
+
+    def costs(self, ctx: PickContext, cands: Candidates) -> list[float]:
+        """Combined cost per candidate (lower is better); see `scorers.base`."""
+        n = len(cands)
+        cost = [0.0] * n
+        total_weight = 0.0
+        similarity = self.similarity
+        for scorer in self.scorers:
+            scores = scorer.score(ctx, cands)
+            if scorer.affinity and similarity > 0 and n > 1:
+                best = max(scores)
+                floor = best - similarity
+                scores = [best if s >= floor else s for s in scores]
+            total_weight += scorer.weight
+            weight = scorer.weight * (scorer.scale_s(ctx, cands) if self.ttft else 1.0)
+            if weight:
+                cost = [c + weight * (1.0 - s) for c, s in zip(cost, scores, strict=True)]
+        if not self.ttft and total_weight > 0:
+            cost = [c / total_weight for c in cost]
+        return cost
+
+    def tolerance(self, ctx: PickContext) -> float:
+        return self.tie_tolerance * (ctx.mean_prefill_s if self.ttft else 1.0)
+
+    def guard(self, cands: Candidates, costs: list[float]) -> bool:
+        """Exclude far busier candidates (+GUARD_PENALTY); True if that changed the winner."""
+        n = len(cands)
+        if n < 2 or self.guard_absolute <= 0 or self.guard_relative <= 0:
+            return False
+        loads = cands.loads()
+        low = min(loads)
+        limit = max(low + self.guard_absolute, self.guard_relative * max(low, 1.0))
+        if max(loads) < limit:
+            return False
+        winner = costs.index(min(costs))
+        for i in range(n):
+            if loads[i] >= limit:
+                costs[i] += GUARD_PENALTY
+        return loads[winner] >= limit
+
+
+@dataclass(frozen=True, slots=True)
+class _Profiles:
+    """Everything a reload replaces, swapped in with one assignment."""
+
+    config: SchedulerConfig
+    prefill: Profile
+    decode: Profile
+    aggregated: Profile
+
+
+def build_profiles(config: SchedulerConfig, deps: SchedulerDeps) -> _Profiles:
+    return _Profiles(
+        config=config,
+        prefill=Profile("prefill", config.profile("prefill"), deps),
+        decode=Profile("decode", config.profile("decode"), deps),
+        aggregated=Profile("aggregated", config.profile("aggregated"), deps),
+    )
+
+
+#: Bound of the per-server pod-list cache (servers); emptied on every snapshot anyway.
+MAX_CACHED_LAYOUTS = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    """A server's pods by role, with their keys, computed once per snapshot."""
+
+    pods: list[Endpoint]  # aggregated, or prefill for a PD server
+    keys: list[str]
+    decode: list[Endpoint]
+    decode_keys: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class _PrefixReport:
+    """What the prefix scorers found for one role's candidates (for metrics and the mean)."""
+
+    approx_depths: list[int] | None
+    approx_total: int
+    precise_local: list[int] | None
+    precise_reach: list[int] | None
+    precise_total: int
+    store_factor: float
+
+
+def _take_report(ctx: PickContext) -> _PrefixReport:
+    report = _PrefixReport(
+        ctx.approx_depths, ctx.approx_hashes, ctx.precise_local, ctx.precise_reach,
+        ctx.precise_hashes, ctx.store_factor,
+    )
+    ctx.approx_depths = ctx.precise_local = ctx.precise_reach = None
+    return report
+
+
+def _choose(rng_index: Callable[[int], int], costs: Sequence[float], tolerance: float) -> int:
+    best = min(costs)
+    limit = best + tolerance
+    ties = [i for i, c in enumerate(costs) if c <= limit]
+    return ties[0] if len(ties) == 1 else ties[rng_index(len(ties))]
+
+
+class PipelineScheduler:
+    """`router.scheduling.Scheduler` built from a `SchedulerConfig` (see module docstring)."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        deps: SchedulerDeps,
+        metrics: SchedulerMetrics,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.deps = deps
+        self.metrics = metrics
+        self._clock = clock
+        self._profiles = build_profiles(config, deps)
+        self._layouts: dict[int, tuple[ServerPods, _Layout]] = {}
+
+    @property
+    def config(self) -> SchedulerConfig:
+        return self._profiles.config
+
+    def forget_layouts(self) -> None:
+        """Drop the per-server pod lists (call on every new view snapshot)."""
+        self._layouts.clear()
+
+    def _layout(self, server: ServerPods) -> _Layout:
+        cached = self._layouts.get(id(server))
+        if cached is not None and cached[0] is server:
+            return cached[1]
+        if len(self._layouts) >= MAX_CACHED_LAYOUTS:
+            self._layouts.clear()
+        if server.is_pd:
+            pods = [p for g in server.groups for p in g.prefill]
+            decode = [p for g in server.groups for p in g.decode]
+        else:
+            pods, decode = list(server.aggregated), []
+        layout = _Layout(pods, [p.key for p in pods], decode, [p.key for p in decode])
+        self._layouts[id(server)] = (server, layout)
+        return layout
+
+    def set_config(self, config: SchedulerConfig) -> None:
+        """Swap in new profiles (built first, so a bad config leaves the old one running)."""
+        self._profiles = build_profiles(config, self.deps)
+
+    # -- the Scheduler protocol ---------------------------------------------------------------
+
+    def pick(
+        self, server: ServerPods, request: ScheduleRequest, avoid: frozenset[str]
+    ) -> Pick | None:
+        started = time.perf_counter()
+        profiles = self._profiles
+        config = profiles.config
+        approx = config.approximate_index
+        prompt = PromptInfo(
+            request, self.deps.hasher, approx.block_bytes, approx.max_prompt_blocks,
+            approx.chars_per_token,
+        )
+        ctx = PickContext(request, server, prompt, self.deps, config.cost_model, self._clock())
+        if server.is_pd:
+            result = self._pick_pd(profiles, ctx, server, avoid)
+            self.metrics.decision_pd.observe(time.perf_counter() - started)
+        else:
+            result = self._pick_aggregated(profiles, ctx, server, avoid)
+            self.metrics.decision_aggregated.observe(time.perf_counter() - started)
+        return result
+
+    # -- candidates ---------------------------------------------------------------------------
+
+    def _narrow(
+        self,
+        ctx: PickContext,
+        profile: Profile,
+        pods: list[Endpoint],
+        pod_keys: list[str],
+        avoid: frozenset[str],
+        level: int,
+    ) -> Candidates:
+        """Candidates after `avoid` (level >= 1) and the filters (level 2), each soft."""
+        chosen, keys = pods, pod_keys
+        if level >= 1 and avoid:
+            kept = [i for i, key in enumerate(keys) if key not in avoid]
+            if kept and len(kept) < len(keys):
+                chosen = [pods[i] for i in kept]
+                keys = [keys[i] for i in kept]
+        cands = Candidates.read(chosen, keys, self.deps, ctx.now)
+        if level < 2:
+            return cands
+        for filt in profile.filters:
+            keep = filt.select(ctx, cands)
+            if keep is None:
+                continue
+            if not keep:
+                self.metrics.filter_fallbacks.labels(filter=filt.type_name).inc()
+            else:
+                cands = cands.subset(keep)
+        return cands
+
+    # -- aggregated ---------------------------------------------------------------------------
+
+    def _pick_aggregated(
+        self, profiles: _Profiles, ctx: PickContext, server: ServerPods, avoid: frozenset[str]
+    ) -> Pick | None:
+        if not server.aggregated:
+            return None
+        layout = self._layout(server)
+        profile = profiles.aggregated
+        ctx.role = "aggregated"
+        cands = self._narrow(ctx, profile, layout.pods, layout.keys, avoid, 2)
+        costs = profile.costs(ctx, cands)
+        report = _take_report(ctx)
+        if profile.guard(cands, costs):
+            self.metrics.guard["aggregated"].inc()
+        index = _choose(self.deps.rng.randrange, costs, profile.tolerance(ctx))
+        self._dispatched(ctx, profile, cands, index, report)
+        if profile.ttft and costs[index] < GUARD_PENALTY:
+            self.metrics.predicted_aggregated.observe(
+                costs[index] + ctx.cost.prefill_overhead_s
+            )
+        return Pick(decode=cands.pods[index])
+
+    # -- prefill/decode pairs -----------------------------------------------------------------
+
+    def _pick_pd(
+        self, profiles: _Profiles, ctx: PickContext, server: ServerPods, avoid: frozenset[str]
+    ) -> Pick | None:
+        if not server.groups:
+            return None
+        layout = self._layout(server)
+        pre_profile, dec_profile = profiles.prefill, profiles.decode
+        pre = dec = None
+        common: set[str | None] = set()
+        for level in (2, 1, 0):
+            ctx.role = "prefill"
+            pre = self._narrow(ctx, pre_profile, layout.pods, layout.keys, avoid, level)
+            ctx.role = "decode"
+            dec = self._narrow(
+                ctx, dec_profile, layout.decode, layout.decode_keys, avoid, level
+            )
+            pre_groups = {p.group for p in pre.pods}
+            common = pre_groups.intersection(p.group for p in dec.pods)
+            if common:
+                if len(common) < len(pre_groups):
+                    pre = pre.subset([i for i, p in enumerate(pre.pods) if p.group in common])
+                if any(p.group not in common for p in dec.pods):
+                    dec = dec.subset([i for i, p in enumerate(dec.pods) if p.group in common])
+                break
+        if pre is None or dec is None or not common:
+            return None
+
+        ctx.role = "prefill"
+        pre_costs = pre_profile.costs(ctx, pre)
+        report = _take_report(ctx)
+        if pre_profile.guard(pre, pre_costs):
+            self.metrics.guard["prefill"].inc()
+        ctx.role = "decode"
+        dec_costs = dec_profile.costs(ctx, dec)
+        _take_report(ctx)
+        if dec_profile.guard(dec, dec_costs):
+            self.metrics.guard["decode"].inc()
+
+        best_pre: dict[str | None, float] = {}
+        for pod, cost in zip(pre.pods, pre_costs, strict=True):
+            if cost < best_pre.get(pod.group, _INF):
+                best_pre[pod.group] = cost
+        best_dec: dict[str | None, float] = {}
+        for pod, cost in zip(dec.pods, dec_costs, strict=True):
+            if cost < best_dec.get(pod.group, _INF):
+                best_dec[pod.group] = cost
+        weight = profiles.config.pairing.decode_weight
+        names: list[str | None] = []
+        pair_costs: list[float] = []
+        for name in best_pre:
+            dcost = best_dec.get(name)
+            if dcost is None:
+                continue
+            names.append(name)
+            pair_costs.append(
+                best_pre[name] + weight * dcost
+                if pre_profile.ttft
+                else (best_pre[name] + weight * dcost) / (1.0 + weight)
+            )
+        rng_index = self.deps.rng.randrange
+        tolerance = pre_profile.tolerance(ctx)
+        group = names[_choose(rng_index, pair_costs, tolerance)]
+
+        ctx.role = "prefill"
+        pi = self._within(pre, pre_costs, group, tolerance, rng_index)
+        ctx.role = "decode"
+        di = self._within(dec, dec_costs, group, dec_profile.tolerance(ctx), rng_index)
+        ctx.role = "prefill"
+        self._dispatched(ctx, pre_profile, pre, pi, report)
+        ctx.role = "decode"
+        for scorer in dec_profile.scorers:
+            scorer.picked(ctx, dec, di)
+        predicted = pre_costs[pi] + weight * dec_costs[di]
+        if pre_profile.ttft and predicted < GUARD_PENALTY:
+            model = ctx.cost
+            self.metrics.predicted_pd.observe(
+                predicted + model.prefill_overhead_s
+                + ctx.prompt.token_count() * model.transfer_s_per_token
+            )
+        return Pick(decode=dec.pods[di], prefill=pre.pods[pi])
+
+    @staticmethod
+    def _within(
+        cands: Candidates,
+        costs: list[float],
+        group: str | None,
+        tolerance: float,
+        rng_index: Callable[[int], int],
+    ) -> int:
+        members = [i for i, p in enumerate(cands.pods) if p.group == group]
+        best = min(costs[i] for i in members)
+        ties = [i for i in members if costs[i] <= best + tolerance]
+        return ties[0] if len(ties) == 1 else ties[rng_index(len(ties))]
+
+    # -- bookkeeping --------------------------------------------------------------------------
+
+    def _dispatched(
+        self,
+        ctx: PickContext,
+        profile: Profile,
+        cands: Candidates,
+        index: int,
+        report: _PrefixReport,
+    ) -> None:
+        for scorer in profile.scorers:
+            scorer.picked(ctx, cands, index)
+        metrics = self.metrics
+        cached: float | None = None
+        if report.approx_depths is not None and report.approx_total:
+            depth = report.approx_depths[index]
+            metrics.queries["approximate"].inc(report.approx_total)
+            if depth:
+                metrics.hits["approximate"].inc(depth)
+            cached = depth / report.approx_total
+        if (
+            report.precise_local is not None
+            and report.precise_reach is not None
+            and report.precise_total
+        ):
+            local = report.precise_local[index]
+            reach = report.precise_reach[index]
+            metrics.queries["precise"].inc(report.precise_total)
+            if reach:
+                metrics.hits["precise"].inc(reach)
+            cached = (local + report.store_factor * (reach - local)) / report.precise_total
+        tokens = ctx.prompt.token_count()
+        uncached = tokens * (1.0 - cached) if cached is not None else float(tokens)
+        self.deps.estimator.observe(uncached, ctx.cost.ewma_alpha)

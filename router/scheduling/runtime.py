@@ -1,0 +1,232 @@
+"""The one entry point the app uses: `build_scheduler(...)` -> `SchedulerRuntime`.
+
+    runtime = build_scheduler(config_path, inflight, view, registry, rng=None,
+                              is_ejected=None)
+    proxy = Proxy(view, runtime.scheduler, ...)        # the Scheduler protocol
+    task = asyncio.create_task(runtime.run())          # scraper, KV events, config reload
+    ...
+    task.cancel()                                      # stops and closes everything
+
+- `config_path`: the scheduler YAML (`pdgate serve --scheduler-config`), hot-reloaded;
+  None runs on the defaults (`config.DEFAULT_PROFILES`). An invalid file at start raises
+  `SchedulerConfigError`; an invalid edit later is logged and ignored.
+- `inflight`: the proxy's `InFlight` counters (read by `least-request` and the guard).
+- `view`: the `ClusterView`; the runtime subscribes, so pods that leave lose their index
+  entries, metrics and event subscriptions.
+- `registry`: where the scheduler's metrics go (`metrics.SchedulerMetrics`).
+- `rng`: every random choice (ties, the `random` scorer); seed it for reproducible runs.
+- `is_ejected(pod_key) -> bool`: the reliability layer's ejection hook (default: never);
+  also settable later with `runtime.set_ejection_hook`.
+- `tokenize(path, body) -> token ids | None`: overrides the engine simulator's
+  tokenizer for the precise index (see `block_hash.py` for the contract).
+
+`runtime.background()` lists the coroutine factories `run()` runs, for an app that
+prefers to supervise them itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from router.load import InFlight
+from router.scheduling.approx_index import ApproximatePrefixIndex
+from router.scheduling.block_hash import PreciseHasher, TokenSource
+from router.scheduling.config import SchedulerConfig, load_scheduler_config
+from router.scheduling.context import LoadEstimator, SchedulerDeps, SessionTable
+from router.scheduling.filters import never_ejected
+from router.scheduling.kv_events import KVEventsManager, StreamSettings
+from router.scheduling.metrics import SchedulerMetrics
+from router.scheduling.metrics_scraper import (
+    EngineMetricsStore,
+    MetricsScraper,
+    ScrapeSettings,
+)
+from router.scheduling.pipeline import PipelineScheduler
+from router.scheduling.precise_index import PrecisePrefixIndex
+from router.scheduling.watcher import SchedulerConfigWatcher
+from router.view import ClusterView, Snapshot
+
+log = logging.getLogger("pdgate.scheduling")
+
+BackgroundFactory = Callable[[], Coroutine[Any, Any, None]]
+
+
+def _scrape_settings(config: SchedulerConfig) -> ScrapeSettings:
+    m = config.engine_metrics
+    return ScrapeSettings(
+        m.interval_s, m.timeout_s, m.stale_after_intervals, m.max_concurrency, m.enabled
+    )
+
+
+def _stream_settings(config: SchedulerConfig) -> StreamSettings:
+    p = config.precise_index
+    return StreamSettings(replay_timeout_s=p.replay_timeout_s, replay_on_join=p.replay_on_join)
+
+
+def _hasher(config: SchedulerConfig, tokenize: TokenSource | None) -> PreciseHasher:
+    p = config.precise_index
+    return PreciseHasher(block_size=p.block_size, hash_seed=p.hash_seed, tokenize=tokenize)
+
+
+class SchedulerRuntime:
+    """The scheduler plus the background work that feeds it."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        inflight: InFlight,
+        view: ClusterView,
+        registry: CollectorRegistry,
+        rng: random.Random | None = None,
+        is_ejected: Callable[[str], bool] | None = None,
+        tokenize: TokenSource | None = None,
+        config_path: Path | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.metrics = SchedulerMetrics(registry)
+        self._tokenize = tokenize
+        approx_cfg = config.approximate_index
+        precise_cfg = config.precise_index
+        self.approx = ApproximatePrefixIndex(
+            approx_cfg.block_bytes, approx_cfg.chars_per_token,
+            approx_cfg.default_capacity_tokens, approx_cfg.max_blocks_per_pod,
+        )
+        self.precise = PrecisePrefixIndex(
+            precise_cfg.max_blocks_per_pod, precise_cfg.max_store_blocks, precise_cfg.store_media
+        )
+        self.engines = EngineMetricsStore()
+        self.deps = SchedulerDeps(
+            inflight=inflight,
+            engines=self.engines,
+            approx=self.approx,
+            precise=self.precise,
+            hasher=_hasher(config, tokenize),
+            sessions=SessionTable.create(config.sessions.max_sessions),
+            rng=rng or random.Random(),
+            is_ejected=is_ejected or never_ejected,
+            estimator=LoadEstimator(),
+        )
+        self.scheduler = PipelineScheduler(config, self.deps, self.metrics, clock)
+        self.scraper = MetricsScraper(
+            self.engines, self.metrics, _scrape_settings(config),
+            on_capacity=self.approx.set_capacity_tokens, clock=clock,
+        )
+        self.kv_events = KVEventsManager(
+            self.precise, self.metrics, _stream_settings(config),
+            events_port=precise_cfg.events_port, replay_port=precise_cfg.replay_port,
+            enabled=config.precise_enabled,
+        )
+        self.watcher = (
+            None
+            if config_path is None
+            else SchedulerConfigWatcher(
+                config_path, self.apply_config, self.metrics, config.reload.interval_s
+            )
+        )
+        self.metrics.track_index(
+            "approximate", lambda: self.approx.total_blocks, self.approx.memory_bytes,
+            lambda: self.approx.evictions,
+        )
+        self.metrics.track_index(
+            "precise", lambda: self.precise.total_blocks, self.precise.memory_bytes,
+            lambda: self.precise.overflow_evictions,
+        )
+        view.subscribe(self._on_snapshot)
+        self._on_snapshot(view.snapshot)
+
+    @property
+    def config(self) -> SchedulerConfig:
+        return self.scheduler.config
+
+    def set_ejection_hook(self, is_ejected: Callable[[str], bool]) -> None:
+        self.deps.is_ejected = is_ejected
+
+    def _on_snapshot(self, snapshot: Snapshot) -> None:
+        keys: set[str] = set()
+        for server in snapshot.servers.values():
+            keys.update(p.key for p in server.aggregated)
+            for group in server.groups:
+                keys.update(p.key for p in group.prefill)
+                keys.update(p.key for p in group.decode)
+        self.scheduler.forget_layouts()
+        self.approx.retain(keys)
+        self.scraper.on_snapshot(snapshot)
+        self.kv_events.on_snapshot(snapshot)
+
+    def apply_config(self, config: SchedulerConfig) -> None:
+        """Switch to a new config (what the watcher calls on a valid edit)."""
+        old = self.scheduler.config
+        self.scheduler.set_config(config)  # builds everything first: raises before any change
+        a = config.approximate_index
+        self.approx.reconfigure(
+            a.block_bytes, a.chars_per_token, a.default_capacity_tokens, a.max_blocks_per_pod
+        )
+        p = config.precise_index
+        self.precise.max_blocks_per_pod = p.max_blocks_per_pod
+        self.precise.max_store_blocks = p.max_store_blocks
+        self.precise.store_media = frozenset(m.upper() for m in p.store_media)
+        was = old.precise_index
+        if (p.block_size, p.hash_seed) != (was.block_size, was.hash_seed):
+            self.deps.hasher = _hasher(config, self._tokenize)
+        self.deps.sessions.max_sessions = config.sessions.max_sessions
+        self.scraper.reconfigure(_scrape_settings(config))
+        self.kv_events.settings = _stream_settings(config)
+        ports = (p.events_port, p.replay_port)
+        if ports != (self.kv_events.events_port, self.kv_events.replay_port):
+            self.kv_events.events_port, self.kv_events.replay_port = ports
+            self.kv_events.set_enabled(not config.precise_enabled)  # force a refresh
+        self.kv_events.set_enabled(config.precise_enabled)
+
+    def background(self) -> list[BackgroundFactory]:
+        """The coroutines that keep the scheduler's inputs fresh."""
+        jobs: list[BackgroundFactory] = [self.kv_events.run, self.scraper.run]
+        if self.watcher is not None:
+            jobs.append(self.watcher.run)
+        return jobs
+
+    async def run(self) -> None:
+        """Run every background job until cancelled; a crashed job is logged and restarted."""
+        async with asyncio.TaskGroup() as group:
+            for job in self.background():
+                group.create_task(self._supervise(job))
+
+    @staticmethod
+    async def _supervise(job: BackgroundFactory) -> None:
+        while True:
+            try:
+                await job()
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("scheduler background job %s failed; restarting", job)
+                await asyncio.sleep(1.0)
+
+
+def build_scheduler(
+    config_path: Path | None,
+    inflight: InFlight,
+    view: ClusterView,
+    registry: CollectorRegistry,
+    rng: random.Random | None = None,
+    *,
+    is_ejected: Callable[[str], bool] | None = None,
+    tokenize: TokenSource | None = None,
+) -> SchedulerRuntime:
+    """Build the scheduler and its background work (see the module docstring)."""
+    config = load_scheduler_config(config_path)
+    return SchedulerRuntime(
+        config, inflight, view, registry, rng=rng, is_ejected=is_ejected, tokenize=tokenize,
+        config_path=config_path,
+    )
+
+
+__all__ = ["SchedulerRuntime", "build_scheduler"]

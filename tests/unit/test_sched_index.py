@@ -1,0 +1,296 @@
+"""Prompt hashing (approximate and engine-exact) and both prefix indexes."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine_sim.block_hash import hash_prompt_blocks
+from engine_sim.prefix_cache import PrefixCache
+from engine_sim.tokenizer import encode, render_chat
+from router.scheduling.approx_index import MIN_BLOCKS_PER_POD, ApproximatePrefixIndex
+from router.scheduling.block_hash import (
+    PreciseHasher,
+    approximate_block_hashes,
+    render_prompt_bytes,
+)
+from router.scheduling.block_index import PodSlots, leading_depths, leading_depths_with_shared
+from router.scheduling.precise_index import PrecisePrefixIndex
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+
+def chat(*contents: str, salt: str | None = None) -> dict[str, Any]:
+    messages = [{"role": "system" if i == 0 else "user", "content": c}
+                for i, c in enumerate(contents)]
+    body: dict[str, Any] = {"model": "m", "messages": messages}
+    if salt is not None:
+        body["cache_salt"] = salt
+    return body
+
+
+# -- approximate hashing -----------------------------------------------------------------------
+
+
+def test_approximate_hashes_are_chained_prefix_hashes() -> None:
+    data = bytes(range(256)) * 8  # 2048 bytes = 8 blocks of 256
+    hashes = approximate_block_hashes(data, "m", None, 256)
+    assert len(hashes) == 8
+    # Same prefix, different tail: leading hashes agree, then diverge for good.
+    other = data[:1000] + b"x" + data[1001:]
+    other_hashes = approximate_block_hashes(other, "m", None, 256)
+    assert other_hashes[:3] == hashes[:3]
+    assert all(a != b for a, b in zip(other_hashes[3:], hashes[3:], strict=True))
+    # Only full blocks count.
+    assert approximate_block_hashes(data[:255], "m", None, 256) == []
+    assert approximate_block_hashes(data + b"tail", "m", None, 256) == hashes
+
+
+def test_model_and_salt_are_mixed_into_the_first_block() -> None:
+    data = b"a" * 1024
+    base = approximate_block_hashes(data, "m", None, 256)
+    assert approximate_block_hashes(data, "other-model", None, 256)[0] != base[0]
+    assert approximate_block_hashes(data, "m", "tenant-a", 256)[0] != base[0]
+    assert approximate_block_hashes(data, "m", "tenant-a", 256) == approximate_block_hashes(
+        data, "m", "tenant-a", 256
+    )
+
+
+def test_max_blocks_bounds_the_work() -> None:
+    assert len(approximate_block_hashes(b"z" * 100_000, "m", None, 256, max_blocks=10)) == 10
+
+
+def test_chat_rendering_is_deterministic_and_distinguishes_content() -> None:
+    body = chat("You are helpful.", "Hi")
+    assert render_prompt_bytes(CHAT, body) == render_prompt_bytes(CHAT, chat("You are helpful.",
+                                                                             "Hi"))
+    assert render_prompt_bytes(CHAT, body) != render_prompt_bytes(CHAT, chat("You are helpful",
+                                                                             "Hi"))
+    parts = {"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "look"},
+        {"type": "image_url", "image_url": {"url": "http://a/1.png"}},
+    ]}]}
+    other = {"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "look"},
+        {"type": "image_url", "image_url": {"url": "http://a/2.png"}},
+    ]}]}
+    assert render_prompt_bytes(CHAT, parts) != render_prompt_bytes(CHAT, other)
+    with_tools = dict(body, tools=[{"type": "function", "function": {"name": "f"}}])
+    assert render_prompt_bytes(CHAT, with_tools) != render_prompt_bytes(CHAT, body)
+    assert render_prompt_bytes(COMPLETIONS, {"prompt": "abc"}) == b"abc"
+    assert render_prompt_bytes(COMPLETIONS, {"prompt": ["abc", "def"]}) == b"abc"
+    assert render_prompt_bytes(COMPLETIONS, {"prompt": [1, 2]}) is not None
+    assert render_prompt_bytes(COMPLETIONS, {}) is None
+
+
+# -- precise hashing: the engine simulator's contract ------------------------------------------
+
+_text = st.text(alphabet=st.sampled_from(list("ab c.\n\t<|>_-é1")), max_size=80)
+_message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "user", "assistant"]), "content": _text}
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(_message, min_size=1, max_size=6), st.sampled_from([None, "salt"]))
+def test_precise_hashes_equal_the_engines(messages: list[dict[str, str]],
+                                          salt: str | None) -> None:
+    hasher = PreciseHasher(block_size=4)  # small blocks: more of them to compare
+    body: dict[str, Any] = {"model": "m", "messages": messages}
+    if salt:
+        body["cache_salt"] = salt
+    tokens = hasher.tokens(CHAT, body)
+    assert tokens is not None
+    reference = encode(render_chat(messages))
+    assert list(tokens.ids) == reference  # message-by-message tokenization is exact
+    expected = hash_prompt_blocks(reference, 4, cache_salt=salt)
+    # Twice: the second answer comes from the memo and must be identical.
+    for _ in range(2):
+        assert hasher.block_hashes(tokens.ids, salt, tokens.message_ends) == expected
+
+
+def test_precise_memo_reuses_a_shared_prefix_exactly() -> None:
+    hasher = PreciseHasher()
+    system = "You are a careful assistant. " * 40
+    for question in ("What is the capital of France?", "And of Italy?", "Why?"):
+        body = chat(system, question)
+        tokens = hasher.tokens(CHAT, body)
+        assert tokens is not None
+        got = hasher.block_hashes(tokens.ids, None, tokens.message_ends)
+        assert got == hash_prompt_blocks(encode(render_chat(body["messages"])))
+    assert 0 < hasher.memo_size
+
+
+def test_precise_hasher_completions_and_injected_tokenizer() -> None:
+    hasher = PreciseHasher()
+    tokens = hasher.tokens(COMPLETIONS, {"prompt": "hello world " * 20})
+    assert tokens is not None and list(tokens.ids) == encode("hello world " * 20)
+    ids = list(range(40))
+    assert hasher.tokens(COMPLETIONS, {"prompt": ids}) is not None
+    assert hasher.block_hashes(ids, None) == hash_prompt_blocks(ids)
+    assert hasher.tokens(CHAT, {"messages": "nope"}) is None
+    injected = PreciseHasher(tokenize=lambda path, body: [7] * 33)
+    got = injected.tokens(CHAT, chat("x"))
+    assert got is not None and list(got.ids) == [7] * 33
+
+
+def test_precise_memo_is_bounded() -> None:
+    hasher = PreciseHasher(memo_entries=5, memo_hashes=10_000)
+    rng = random.Random(1)
+    for _ in range(50):
+        ids = [rng.randrange(30_000) for _ in range(200)]
+        assert hasher.block_hashes(ids, None) == hash_prompt_blocks(ids)
+    assert hasher.memo_size <= 5
+
+
+# -- the bitmask core --------------------------------------------------------------------------
+
+
+def test_pod_slots_are_reused() -> None:
+    slots = PodSlots()
+    assert [slots.acquire(k) for k in "abc"] == [0, 1, 2]
+    slots.release("b")
+    assert slots.acquire("d") == 1
+    assert slots.mask_of(["a", "x", "d"]) == (0b011, [0, -1, 1])
+
+
+def test_leading_depths_walks_until_no_candidate_matches() -> None:
+    masks = {1: 0b111, 2: 0b011, 3: 0b001, 5: 0b100}
+    assert leading_depths(masks, [1, 2, 3, 4], 0b111) == {0: 3, 1: 2, 2: 1}
+    assert leading_depths(masks, [1, 2, 3, 4], 0b110) == {1: 2, 2: 1}
+    assert leading_depths(masks, [9, 1], 0b111) == {}
+    assert leading_depths(masks, [1, 5], 0b111) == {0: 1, 1: 1, 2: 2}
+    local, reach = leading_depths_with_shared(masks, {2: None, 3: None}, [1, 2, 3, 4], 0b111)
+    assert local == {0: 3, 1: 2, 2: 1}
+    assert reach == {0: 3, 1: 3, 2: 3}
+
+
+# -- approximate index -------------------------------------------------------------------------
+
+
+def test_approximate_index_match_record_and_removal() -> None:
+    index = ApproximatePrefixIndex(block_bytes=256)
+    index.record("ns/a", [1, 2, 3, 4])
+    index.record("ns/b", [1, 2, 9])
+    assert index.match(["ns/a", "ns/b", "ns/c"], [1, 2, 3, 4, 5]) == [4, 2, 0]
+    assert index.match(["ns/b", "ns/a"], [1, 2, 9]) == [3, 2]
+    index.remove_pod("ns/a")
+    assert index.match(["ns/a", "ns/b"], [1, 2, 3]) == [0, 2]
+    assert index.total_blocks == 3
+    index.retain({"ns/c"})
+    assert index.total_blocks == 0
+    assert index.match(["ns/b"], [1]) == [0]
+    assert index.memory_bytes() > 0
+
+
+def test_approximate_index_lru_is_bounded_and_forgets_tails_first() -> None:
+    # capacity in blocks = tokens x chars_per_token / block_bytes = 64 x 4 x 16 / 256 = 16...
+    index = ApproximatePrefixIndex(block_bytes=4, chars_per_token=1.0,
+                                   default_capacity_tokens=MIN_BLOCKS_PER_POD * 4)
+    assert index.capacity_of("p") == MIN_BLOCKS_PER_POD
+    old = list(range(1000, 1000 + 40))
+    new = list(range(2000, 2000 + 40))
+    index.record("p", old)
+    index.record("p", new)  # 80 blocks into 64: 16 of the old prompt go, its tail first
+    assert index.blocks_of("p") == MIN_BLOCKS_PER_POD
+    assert index.match(["p"], old) == [24]
+    assert index.match(["p"], new) == [40]
+    # Touching a prompt makes it recent again.
+    index.record("p", old[:24])
+    index.record("p", list(range(3000, 3020)))
+    assert index.match(["p"], old) == [24]
+    assert index.evictions > 0
+
+
+def test_approximate_index_bound_follows_the_engines_capacity() -> None:
+    index = ApproximatePrefixIndex(block_bytes=256, chars_per_token=4.0,
+                                   default_capacity_tokens=64 * 64)
+    assert index.capacity_of("p") == 64
+    index.record("p", list(range(64)))
+    index.set_capacity_tokens("p", 200 * 64)  # e.g. num_gpu_blocks x block_size
+    assert index.capacity_of("p") == 200
+    index.set_capacity_tokens("p", 100 * 64)
+    assert index.capacity_of("p") == 100
+    index.set_capacity_tokens("p", None)  # unknown again: back to the default
+    assert index.capacity_of("p") == 64
+    assert index.blocks_of("p") == 64
+
+
+def test_approximate_lookup_cost_does_not_depend_on_pod_count() -> None:
+    index = ApproximatePrefixIndex()
+    prompt = list(range(50))
+    for i in range(512):
+        index.record(f"ns/p{i}", prompt[: i % 50])
+    keys = [f"ns/p{i}" for i in range(512)]
+    depths = index.match(keys, prompt)
+    assert depths == [i % 50 for i in range(512)]
+
+
+# -- precise index -----------------------------------------------------------------------------
+
+
+def test_precise_index_media_removal_and_clear() -> None:
+    index = PrecisePrefixIndex()
+    index.stored("ns/a", "ns/srv", [1, 2, 3], "GPU")
+    index.stored("ns/a", "ns/srv", [1, 2], "CPU")  # offloaded copy
+    assert index.match(["ns/a"], "ns/srv", [1, 2, 3]) == ([3], [3])
+    index.removed("ns/a", "ns/srv", [1, 2, 3], "GPU")  # evicted from GPU, still on CPU
+    assert index.match(["ns/a"], "ns/srv", [1, 2, 3]) == ([2], [2])
+    index.removed("ns/a", "ns/srv", [1], "CPU")
+    assert index.match(["ns/a"], "ns/srv", [1, 2]) == ([0], [0])
+    index.stored("ns/a", "ns/srv", [1], None)  # no medium: local
+    index.cleared("ns/a")
+    assert index.match(["ns/a"], "ns/srv", [1]) == ([0], [0])
+
+
+def test_store_medium_blocks_count_on_every_pod_of_the_server() -> None:
+    index = PrecisePrefixIndex(store_media=["MOONCAKE"])
+    index.stored("ns/a", "ns/srv", [1, 2, 3, 4], "MOONCAKE")
+    index.stored("ns/b", "ns/srv", [1, 2], "GPU")
+    local, reach = index.match(["ns/a", "ns/b", "ns/c"], "ns/srv", [1, 2, 3, 4, 5])
+    assert local == [0, 2, 0]
+    assert reach == [4, 4, 4]
+    # Another server's pods do not see this store pool.
+    assert index.match(["ns/x"], "ns/other", [1, 2]) == ([0], [0])
+    index.removed("ns/b", "ns/srv", [3], "mooncake")  # any pod may report it leaving
+    assert index.match(["ns/c"], "ns/srv", [1, 2, 3]) == ([0], [2])
+
+
+def test_precise_index_is_bounded() -> None:
+    index = PrecisePrefixIndex(max_blocks_per_pod=10, max_store_blocks=5)
+    index.stored("p", "s", list(range(25)), "GPU")
+    assert len(index.blocks_of("p")) == 10
+    index.stored("p", "s", list(range(100, 120)), "MOONCAKE")
+    assert len(index.store_blocks("s")) == 5
+    assert index.overflow_evictions == 30
+
+
+def test_precise_index_mirrors_the_simulator_cache_with_evictions() -> None:
+    index = PrecisePrefixIndex()
+    events: list[Any] = []
+    cache = PrefixCache(capacity_blocks=32, block_size=16, on_event=events.append)
+    rng = random.Random(3)
+    from engine_sim.cache_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+    prefixes = [[rng.randrange(30_000) for _ in range(16 * 6)] for _ in range(4)]
+    for _ in range(60):
+        tokens = prefixes[rng.randrange(4)] + [rng.randrange(30_000) for _ in range(40)]
+        hashes = hash_prompt_blocks(tokens)
+        lease = cache.acquire(hashes, tokens)
+        cache.release(lease)
+    for event in events:
+        if isinstance(event, BlockStored):
+            index.stored("p", "s", event.block_hashes, "GPU")
+        elif isinstance(event, BlockRemoved):
+            index.removed("p", "s", event.block_hashes, "GPU")
+        elif isinstance(event, AllBlocksCleared):
+            index.cleared("p")
+    resident = {h for h in index.blocks_of("p")}
+    assert resident == set(cache._blocks)
+    for prefix in prefixes:
+        hashes = hash_prompt_blocks(prefix)
+        assert index.match(["p"], "s", hashes)[0] == [cache.match(hashes)]

@@ -1,0 +1,474 @@
+"""KV events: vLLM's wire format over real ZMQ sockets, gaps, replay, restarts, per-pod wiring."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+from prometheus_client import CollectorRegistry
+
+from router.resources import ModelServer, ObjectMeta, PDGroup
+from router.scheduling.kv_events import (
+    Cleared,
+    DecodeError,
+    KVEventsManager,
+    PodEventStream,
+    Removed,
+    Stored,
+    StreamSettings,
+    StreamTarget,
+    decode_batch,
+    stream_targets,
+)
+from router.scheduling.metrics import SchedulerMetrics
+from router.scheduling.precise_index import PrecisePrefixIndex
+from router.view import Endpoint, PDGroupPods, ServerPods, Snapshot
+
+# -- vLLM's structs, as `vllm/distributed/kv_events.py` declares them -------------------------
+# Older vLLM: array_like=True (positional arrays). Newer vLLM (vllm#42892): maps.
+
+
+class ArrayBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class ArrayEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class BlockStored(ArrayEvent, tag="BlockStored"):
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+
+
+class BlockRemoved(ArrayEvent, tag="BlockRemoved"):
+    block_hashes: list[int | bytes]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class AllBlocksCleared(ArrayEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class MapBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class MapEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class MapBlockStored(MapEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+
+
+class MapBlockRemoved(MapEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class MapAllBlocksCleared(MapEvent, tag="AllBlocksCleared"):
+    pass
+
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def stored(*hashes: int, medium: str | None = "GPU", parent: int | None = None) -> BlockStored:
+    return BlockStored(list(hashes), parent, [1] * 16 * len(hashes), 16, None, medium)
+
+
+def removed(*hashes: int, medium: str | None = "GPU") -> BlockRemoved:
+    return BlockRemoved(list(hashes), medium)
+
+
+def payload(*events: Any, rank: int | None = 0) -> bytes:
+    return _encoder.encode(ArrayBatch(time.time(), list(events), rank))
+
+
+class FakeEngine:
+    """A vLLM `ZmqEventPublisher`: PUB frames (topic, seq, payload) and a ROUTER replay."""
+
+    END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+    def __init__(self, context: zmq.asyncio.Context, topic: str = "kv-events",
+                 replay: bool = True) -> None:
+        self.pub = context.socket(zmq.XPUB)  # XPUB: lets the test wait for the subscriber
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+        self.router: zmq.asyncio.Socket | None = None
+        self.replay_port: int | None = None
+        if replay:
+            self.router = context.socket(zmq.ROUTER)
+            self.router.setsockopt(zmq.LINGER, 0)
+            self.replay_port = self.router.bind_to_random_port("tcp://127.0.0.1")
+        self.topic = topic.encode()
+        self.seq = 0
+        self.buffer: list[tuple[int, bytes]] = []
+        self.replays: list[int] = []
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"tcp://127.0.0.1:{self.port}"
+
+    @property
+    def replay_endpoint(self) -> str | None:
+        return None if self.replay_port is None else f"tcp://127.0.0.1:{self.replay_port}"
+
+    async def wait_subscriber(self) -> None:
+        message = await asyncio.wait_for(self.pub.recv(), 5)
+        assert message[:1] == b"\x01"
+
+    async def publish(self, data: bytes, send: bool = True) -> int:
+        seq = self.seq
+        self.seq += 1
+        self.buffer.append((seq, data))
+        if send:
+            await self.pub.send_multipart([self.topic, seq.to_bytes(8, "big"), data])
+        return seq
+
+    def restart(self) -> None:
+        self.seq = 0
+        self.buffer.clear()
+
+    def serve_replay(self) -> None:
+        self._task = asyncio.create_task(self._serve())
+
+    async def _serve(self) -> None:
+        assert self.router is not None
+        while True:
+            client, empty, start = await self.router.recv_multipart()
+            begin = int.from_bytes(start, "big")
+            self.replays.append(begin)
+            for seq, data in self.buffer:
+                if seq >= begin:
+                    await self.router.send_multipart([client, empty, seq.to_bytes(8, "big"),
+                                                      data])
+            await self.router.send_multipart([client, empty, self.END_SEQ, b""])
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await self._task
+        self.pub.close(0)
+        if self.router is not None:
+            self.router.close(0)
+
+
+async def eventually(check: Callable[[], bool], within: float = 5.0) -> None:
+    deadline = time.monotonic() + within
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached")
+        await asyncio.sleep(0.01)
+
+
+class Rig:
+    def __init__(self, replay: bool = True, join: bool = False,
+                 replay_timeout: float = 2.0) -> None:
+        self.context = zmq.asyncio.Context()
+        self.engine = FakeEngine(self.context, replay=replay)
+        self.index = PrecisePrefixIndex()
+        self.registry = CollectorRegistry()
+        self.metrics = SchedulerMetrics(self.registry)
+        target = StreamTarget("ns/p", self.engine.endpoint, self.engine.replay_endpoint,
+                              "kv-events", "ns/srv")
+        self.stream = PodEventStream(target, self.index, self.context, self.metrics,
+                                     StreamSettings(replay_timeout, join))
+        self.task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        if self.engine.router is not None:
+            self.engine.serve_replay()
+        self.task = asyncio.create_task(self.stream.run())
+        await self.engine.wait_subscriber()
+
+    async def close(self) -> None:
+        assert self.task is not None
+        self.task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await self.task
+        await self.engine.close()
+        self.context.term()
+
+    def blocks(self) -> set[int]:
+        return self.index.blocks_of("ns/p")
+
+    def metric(self, name: str, **labels: str) -> float:
+        value = self.registry.get_sample_value(name, labels)
+        return 0.0 if value is None else value
+
+
+# -- decoding ------------------------------------------------------------------------------------
+
+
+def test_decode_array_encoded_batches() -> None:
+    events = decode_batch(payload(stored(1, 2), removed(1), AllBlocksCleared()))
+    assert events == [Stored((1, 2), "GPU"), Removed((1,), "GPU"), Cleared()]
+    # Hashes as bytes (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0): big-endian, low 64 bits.
+    raw = (2**64 + 5).to_bytes(9, "big")
+    assert decode_batch(payload(BlockStored([raw], None, [], 16, None, None))) == [
+        Stored((5,), None)
+    ]
+    # Batches without a data-parallel rank, and events with every trailing field.
+    full = BlockStored([7], 6, [1] * 16, 16, None, "CPU", "lora", [None], 0)
+    assert decode_batch(_encoder.encode(ArrayBatch(1.0, [full]))) == [Stored((7,), "CPU")]
+
+
+def test_decode_map_encoded_events_and_ignore_other_groups() -> None:
+    data = _encoder.encode(MapBatch(1.0, [
+        MapBlockStored([1, 2], None, [1] * 32, 16, None, "GPU", None, None, 0, "full"),
+        MapBlockStored([3], None, [1] * 16, 16, None, "GPU", None, None, 1, "sliding"),
+        MapBlockRemoved([2], "GPU"),
+        MapAllBlocksCleared(),
+    ], 0))
+    assert decode_batch(data) == [Stored((1, 2), "GPU"), Removed((2,), "GPU"), Cleared()]
+    as_map = msgspec.msgpack.encode({"ts": 1.0, "events": [{"type": "BlockRemoved",
+                                                            "block_hashes": [9]}]})
+    assert decode_batch(as_map) == [Removed((9,), None)]
+
+
+def test_decode_rejects_garbage_and_skips_unknown_events() -> None:
+    with pytest.raises(DecodeError):
+        decode_batch(b"\xc1")
+    with pytest.raises(DecodeError):
+        decode_batch(msgspec.msgpack.encode(5))
+    with pytest.raises(DecodeError):
+        decode_batch(msgspec.msgpack.encode([1.0, [["BlockStored", "x"]]]))
+    assert decode_batch(msgspec.msgpack.encode([1.0, [["SomethingNew", 1]]])) == []
+
+
+# -- one pod's stream over real sockets --------------------------------------------------------
+
+
+async def test_in_order_batches_and_a_gap_filled_by_replay() -> None:
+    rig = Rig()
+    await rig.start()
+    try:
+        engine = rig.engine
+        await engine.publish(payload(stored(1, 2, 3)))  # seq 0
+        await engine.publish(payload(stored(4, parent=3)))  # seq 1
+        await eventually(lambda: rig.blocks() == {1, 2, 3, 4})
+        await engine.publish(payload(removed(2, 3)), send=False)  # seq 2: lost
+        await engine.publish(payload(stored(5)), send=False)  # seq 3: lost
+        await engine.publish(payload(stored(6)))  # seq 4: gap detected
+        await eventually(lambda: rig.stream.last_seq == 4)
+        assert rig.blocks() == {1, 4, 5, 6}
+        assert engine.replays == [2]
+        await engine.publish(payload(removed(6)))  # seq 5: in order again
+        await eventually(lambda: rig.blocks() == {1, 4, 5})
+        assert rig.metric("pdgate_kv_event_gaps_total") == 1
+        assert rig.metric("pdgate_kv_event_resyncs_total", how="replay") == 1
+        assert rig.metric("pdgate_kv_event_resyncs_total", how="clear") == 0
+    finally:
+        await rig.close()
+
+
+async def test_map_encoded_batches_and_all_blocks_cleared() -> None:
+    rig = Rig()
+    await rig.start()
+    try:
+        batch = MapBatch(1.0, [MapBlockStored([11, 12], None, [1] * 32, 16, None, "GPU",
+                                              None)], 0)
+        await rig.engine.publish(_encoder.encode(batch))
+        await eventually(lambda: rig.blocks() == {11, 12})
+        await rig.engine.publish(_encoder.encode(MapBatch(2.0, [MapAllBlocksCleared()], 0)))
+        await eventually(lambda: rig.stream.last_seq == 1)
+        assert rig.blocks() == set()
+    finally:
+        await rig.close()
+
+
+async def test_a_gap_without_replay_clears_and_rebuilds() -> None:
+    rig = Rig(replay=False)
+    await rig.start()
+    try:
+        engine = rig.engine
+        await engine.publish(payload(stored(1, 2)))
+        await eventually(lambda: rig.blocks() == {1, 2})
+        await engine.publish(payload(removed(2)), send=False)  # lost
+        await engine.publish(payload(stored(3)))
+        await eventually(lambda: rig.stream.last_seq == 2)
+        # Never over-reports: what came before the gap is forgotten, what follows is kept.
+        assert rig.blocks() == {3}
+        assert rig.metric("pdgate_kv_event_resyncs_total", how="clear") == 1
+    finally:
+        await rig.close()
+
+
+async def test_a_replay_that_cannot_cover_the_gap_clears() -> None:
+    rig = Rig()
+    await rig.start()
+    try:
+        engine = rig.engine
+        await engine.publish(payload(stored(1)))  # seq 0
+        await engine.publish(payload(stored(2)), send=False)  # seq 1: lost...
+        engine.buffer.pop()  # ...and gone from the engine's replay buffer too
+        await engine.publish(payload(stored(3)), send=False)  # seq 2: lost, replayable
+        await engine.publish(payload(stored(4)))  # seq 3
+        await eventually(lambda: rig.stream.last_seq == 3)
+        assert rig.blocks() == {3, 4}
+        assert rig.metric("pdgate_kv_event_resyncs_total", how="clear") >= 1
+    finally:
+        await rig.close()
+
+
+async def test_an_unanswered_replay_times_out_and_clears() -> None:
+    rig = Rig(replay_timeout=0.2)
+    rig.engine.router.close(0)  # type: ignore[union-attr]
+    rig.engine.router = None  # the replay endpoint exists in config but nobody answers
+    await rig.start()
+    try:
+        await rig.engine.publish(payload(stored(1)))
+        await eventually(lambda: rig.blocks() == {1})
+        await rig.engine.publish(payload(stored(2)), send=False)
+        await rig.engine.publish(payload(stored(3)))
+        await eventually(lambda: rig.stream.last_seq == 2)
+        assert rig.blocks() == {3}
+    finally:
+        await rig.close()
+
+
+async def test_an_engine_restart_clears_the_pod() -> None:
+    rig = Rig()
+    await rig.start()
+    try:
+        engine = rig.engine
+        for h in (1, 2, 3):
+            await engine.publish(payload(stored(h)))
+        await eventually(lambda: rig.blocks() == {1, 2, 3})
+        engine.restart()
+        await engine.publish(payload(stored(9)))  # seq 0 again
+        await eventually(lambda: rig.blocks() == {9})
+        assert rig.metric("pdgate_kv_event_resyncs_total", how="restart") == 1
+    finally:
+        await rig.close()
+
+
+async def test_joining_late_replays_from_the_start() -> None:
+    rig = Rig(join=True)
+    await rig.start()
+    try:
+        engine = rig.engine
+        await engine.publish(payload(stored(1, 2)), send=False)  # before the router came
+        await engine.publish(payload(removed(1)), send=False)
+        await engine.publish(payload(stored(3)))
+        await eventually(lambda: rig.stream.last_seq == 2)
+        assert rig.blocks() == {2, 3}
+        assert engine.replays == [0]
+    finally:
+        await rig.close()
+
+
+async def test_store_medium_events_feed_the_shared_pool() -> None:
+    rig = Rig()
+    await rig.start()
+    try:
+        await rig.engine.publish(payload(stored(1, 2, medium="MOONCAKE"), stored(1)))
+        await eventually(lambda: rig.stream.last_seq == 0)
+        assert rig.blocks() == {1}
+        assert rig.index.store_blocks("ns/srv") == {1, 2}
+        assert rig.index.match(["ns/other-pod"], "ns/srv", [1, 2, 3]) == ([0], [2])
+    finally:
+        await rig.close()
+
+
+# -- which pods, which endpoints -----------------------------------------------------------------
+
+
+def _server(annotations: dict[str, str], pd: bool = True, name: str = "srv") -> ModelServer:
+    return ModelServer(
+        meta=ObjectMeta(name=name, annotations=annotations),
+        model="m",
+        inference_engine="vLLM",
+        match_labels={"app": "x"},
+        pd_group=PDGroup("g", {"r": "p"}, {"r": "d"}) if pd else None,
+        port=8000,
+    )
+
+
+def _pd(server: ModelServer, prefill_ip: str = "10.0.0.1") -> ServerPods:
+    return ServerPods(server=server, groups=(PDGroupPods(
+        group="g0",
+        prefill=(Endpoint("ns", "pre", prefill_ip, 8000, "prefill", "g0"),),
+        decode=(Endpoint("ns", "dec", "10.0.0.2", 8000, "decode", "g0"),),
+    ),))
+
+
+def test_stream_targets_follow_annotations() -> None:
+    default = _pd(_server({}))
+    targets = stream_targets(Snapshot(servers={("default", "srv"): default}))
+    assert list(targets) == ["ns/pre"]  # decode pods are not subscribed
+    target = targets["ns/pre"]
+    assert target.endpoint == "tcp://10.0.0.1:5557"
+    assert target.replay_endpoint == "tcp://10.0.0.1:5558"
+    assert target.topic == "" and target.scope == "default/srv"
+    custom = _pd(_server({"pdgate.io/kv-events-port": "6000",
+                          "pdgate.io/kv-events-replay-port": "none",
+                          "pdgate.io/kv-events-topic": "kv"}), prefill_ip="fd00::1")
+    target = stream_targets(Snapshot(servers={("default", "srv"): custom}))["ns/pre"]
+    assert (target.endpoint, target.replay_endpoint, target.topic) == (
+        "tcp://[fd00::1]:6000", None, "kv")
+    off = _pd(_server({"pdgate.io/kv-events": "false"}))
+    assert stream_targets(Snapshot(servers={("default", "srv"): off})) == {}
+    agg = ServerPods(server=_server({}, pd=False),
+                     aggregated=(Endpoint("ns", "a", "10.0.0.9", 8000, "both"),))
+    assert list(stream_targets(Snapshot(servers={("default", "srv"): agg}))) == ["ns/a"]
+
+
+async def test_manager_subscribes_per_pod_and_drops_departed_pods() -> None:
+    context = zmq.asyncio.Context()
+    engine = FakeEngine(context, topic="")
+    index = PrecisePrefixIndex()
+    metrics = SchedulerMetrics(CollectorRegistry())
+    manager = KVEventsManager(index, metrics, StreamSettings(1.0, False),
+                              events_port=engine.port, replay_port=engine.replay_port)
+    engine.serve_replay()
+    server = _pd(_server({}), prefill_ip="127.0.0.1")
+    manager.on_snapshot(Snapshot(servers={("default", "srv"): server}))
+    task = asyncio.create_task(manager.run())
+    try:
+        await engine.wait_subscriber()
+        await engine.publish(payload(stored(1, 2)))
+        await eventually(lambda: index.blocks_of("ns/pre") == {1, 2})
+        assert manager.stream("ns/pre") is not None
+        manager.on_snapshot(Snapshot(servers={}))  # the pod left the view
+        await eventually(lambda: manager.stream("ns/pre") is None)
+        assert index.blocks_of("ns/pre") == set()
+        manager.set_enabled(False)
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await engine.close()
+        context.term()

@@ -1,0 +1,458 @@
+"""Scorer formulas, filters, and the pipeline: ties, anti-herding, PD pair scoring."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from router.load import InFlight
+from router.resources import ModelServer, ObjectMeta, PDGroup
+from router.scheduling import Pick, ScheduleRequest
+from router.scheduling.config import SchedulerConfig, parse_scheduler_config
+from router.scheduling.context import Candidates, CostModel, PickContext, PromptInfo
+from router.scheduling.filters import NotEjectedFilter, NotSaturatedFilter, ReadyFilter
+from router.scheduling.metrics_scraper import EngineLoad
+from router.scheduling.runtime import SchedulerRuntime
+from router.scheduling.scorers import (
+    KVCacheUsageScorer,
+    LeastRequestScorer,
+    PrecisePrefixCacheScorer,
+    PrefixCacheScorer,
+    QueueScorer,
+    RandomScorer,
+    SessionAffinityScorer,
+)
+from router.view import ClusterView, Endpoint, PDGroupPods, ServerPods
+
+CHAT = "/v1/chat/completions"
+SYSTEM = "You are a meticulous assistant who answers in full sentences. " * 80  # ~5 KB
+
+
+def model_server(name: str = "srv", pd: bool = False) -> ModelServer:
+    return ModelServer(
+        meta=ObjectMeta(name=name),
+        model="m",
+        inference_engine="vLLM",
+        match_labels={"app": name},
+        pd_group=PDGroup("group", {"role": "prefill"}, {"role": "decode"}) if pd else None,
+        port=8000,
+    )
+
+
+def pod(name: str, role: str = "both", group: str | None = None) -> Endpoint:
+    return Endpoint("default", name, "10.0.0.1", 8000, role, group)  # type: ignore[arg-type]
+
+
+def aggregated(*names: str) -> ServerPods:
+    return ServerPods(server=model_server(), aggregated=tuple(pod(n) for n in names))
+
+
+def pd_server(groups: dict[str, tuple[list[str], list[str]]]) -> ServerPods:
+    return ServerPods(
+        server=model_server("pd", pd=True),
+        groups=tuple(
+            PDGroupPods(
+                group=g,
+                prefill=tuple(pod(n, "prefill", g) for n in pre),
+                decode=tuple(pod(n, "decode", g) for n in dec),
+            )
+            for g, (pre, dec) in groups.items()
+        ),
+    )
+
+
+def request(question: str = "What is the capital of France?", system: str = SYSTEM,
+            headers: dict[str, str] | None = None) -> ScheduleRequest:
+    body: dict[str, Any] = {
+        "model": "m",
+        "messages": [{"role": "system", "content": system},
+                     {"role": "user", "content": question}],
+    }
+    return ScheduleRequest("m", CHAT, body, headers or {})
+
+
+def runtime(config: SchedulerConfig | None = None, seed: int = 0) -> SchedulerRuntime:
+    registry = CollectorRegistry()
+    return SchedulerRuntime(config or SchedulerConfig(), InFlight(registry), ClusterView(),
+                            registry, rng=random.Random(seed))
+
+
+def context(rt: SchedulerRuntime, server: ServerPods, req: ScheduleRequest) -> PickContext:
+    a = rt.config.approximate_index
+    prompt = PromptInfo(req, rt.deps.hasher, a.block_bytes, a.max_prompt_blocks,
+                        a.chars_per_token)
+    return PickContext(req, server, prompt, rt.deps, rt.config.cost_model, time.monotonic())
+
+
+def candidates(rt: SchedulerRuntime, pods: list[Endpoint]) -> Candidates:
+    return Candidates.read(pods, [p.key for p in pods], rt.deps, time.monotonic())
+
+
+def busy(rt: SchedulerRuntime, endpoint: Endpoint, count: int) -> None:
+    for _ in range(count):
+        rt.deps.inflight.acquire(endpoint)
+
+
+def engine(rt: SchedulerRuntime, endpoint: Endpoint, **fields: Any) -> None:
+    rt.engines.put(endpoint.key, EngineLoad(at=time.monotonic() + 3600, **fields))
+
+
+def sample(registry: CollectorRegistry, name: str, **labels: str) -> float:
+    value = registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value
+
+
+def name_of(rt: SchedulerRuntime, server: ServerPods, req: ScheduleRequest) -> str:
+    pick = rt.scheduler.pick(server, req, frozenset())
+    assert pick is not None
+    return pick.decode.pod_name
+
+
+# -- scorer formulas ---------------------------------------------------------------------------
+
+
+def test_prefix_cache_score_is_the_matched_fraction() -> None:
+    rt = runtime()
+    server = aggregated("a", "b")
+    req = request()
+    ctx = context(rt, server, req)
+    hashes = ctx.prompt.approx_hashes()
+    total = len(hashes)
+    assert total >= 10
+    rt.approx.record("default/a", hashes[:5])
+    scorer = PrefixCacheScorer(1.0, rt.deps, {})
+    cands = candidates(rt, list(server.aggregated))
+    assert scorer.score(ctx, cands) == [5 / total, 0.0]
+    tokens = ctx.prompt.token_count()
+    assert scorer.scale_s(ctx, cands) == pytest.approx(tokens * CostModel().prefill_s_per_token)
+    scorer.picked(ctx, cands, 1)  # dispatch records the whole prompt for the chosen pod
+    assert scorer.score(ctx, cands) == [5 / total, 1.0]
+
+
+def test_precise_prefix_cache_counts_store_hits_at_a_factor() -> None:
+    rt = runtime()
+    server = pd_server({"g": (["p1", "p2"], ["d1"])})
+    req = request()
+    ctx = context(rt, server, req)
+    hashes = ctx.prompt.precise_hashes()
+    total = len(hashes)
+    assert total > 20
+    rt.precise.stored("default/p1", "default/pd", hashes[:4], "GPU")
+    rt.precise.stored("default/p1", "default/pd", hashes[:10], "MOONCAKE")
+    scorer = PrecisePrefixCacheScorer(1.0, rt.deps, {"storeHitFactor": 0.5})
+    cands = candidates(rt, list(server.groups[0].prefill))
+    # p1: 4 local + 6 more from the store at 0.5; p2: 10 from the store at 0.5.
+    assert scorer.score(ctx, cands) == [pytest.approx((4 + 0.5 * 6) / total),
+                                        pytest.approx(0.5 * 10 / total)]
+    assert ctx.precise_local == [4, 0] and ctx.precise_reach == [10, 10]
+
+
+def test_least_request_score_and_its_seconds() -> None:
+    rt = runtime()
+    server = aggregated("a", "b", "c")
+    pods = list(server.aggregated)
+    busy(rt, pods[1], 2)
+    busy(rt, pods[2], 4)
+    ctx = context(rt, server, request())
+    scorer = LeastRequestScorer(1.0, rt.deps, {})
+    cands = candidates(rt, pods)
+    assert scorer.score(ctx, cands) == [1.0, 0.5, 0.0]
+    ctx.role = "prefill"
+    assert scorer.scale_s(ctx, cands) == pytest.approx(4 * ctx.mean_prefill_s)
+    ctx.role = "decode"
+    assert scorer.scale_s(ctx, cands) == pytest.approx(4 * CostModel().decode_admission_s)
+    idle = candidates(rt, [pods[0]])
+    assert scorer.score(ctx, idle) == [1.0]
+
+
+def test_queue_score_with_unknown_metrics() -> None:
+    rt = runtime()
+    server = aggregated("a", "b", "c", "d")
+    pods = list(server.aggregated)
+    engine(rt, pods[0], waiting=0.0)
+    engine(rt, pods[1], waiting=16.0)
+    engine(rt, pods[2], waiting=40.0)
+    rt.engines.put(pods[3].key, EngineLoad(waiting=0.0, at=time.monotonic() - 60))  # stale
+    scorer = QueueScorer(1.0, rt.deps, {"threshold": 32.0})
+    ctx = context(rt, server, request())
+    assert scorer.score(ctx, candidates(rt, pods)) == [1.0, 0.5, 0.0, 0.5]
+    assert scorer.score(ctx, candidates(rt, [pods[3]])) == [1.0]  # nothing known: neutral
+
+
+def test_kv_cache_usage_score() -> None:
+    rt = runtime()
+    server = aggregated("a", "b", "c")
+    pods = list(server.aggregated)
+    engine(rt, pods[0], kv_usage=0.25)
+    engine(rt, pods[1], kv_usage=1.0)
+    scorer = KVCacheUsageScorer(1.0, rt.deps, {})
+    ctx = context(rt, server, request())
+    cands = candidates(rt, pods)
+    assert scorer.score(ctx, cands) == [0.75, 0.0, 0.375]
+    assert scorer.scale_s(ctx, cands) == CostModel().kv_full_penalty_s
+
+
+def test_session_affinity_score() -> None:
+    rt = runtime()
+    server = aggregated("a", "b")
+    pods = list(server.aggregated)
+    scorer = SessionAffinityScorer(1.0, rt.deps, {})
+    req = request(headers={"x-session-id": "s1"})
+    ctx = context(rt, server, req)
+    cands = candidates(rt, pods)
+    assert scorer.score(ctx, cands) == [0.0, 0.0]
+    scorer.picked(ctx, cands, 1)
+    assert scorer.score(ctx, cands) == [0.0, 1.0]
+    other = context(rt, server, request(headers={"x-session-id": "s2"}))
+    assert scorer.score(other, cands) == [0.0, 0.0]
+    ctx.role = "prefill"  # remembered per role
+    assert scorer.score(ctx, cands) == [0.0, 0.0]
+
+
+def test_random_score_is_seeded() -> None:
+    server = aggregated("a", "b", "c")
+    draws = []
+    for _ in range(2):
+        rt = runtime(seed=42)
+        ctx = context(rt, server, request())
+        draws.append(RandomScorer(1.0, rt.deps, {}).score(ctx, candidates(rt, list(
+            server.aggregated))))
+    assert draws[0] == draws[1]
+    assert all(0.0 <= s < 1.0 for s in draws[0]) and len(set(draws[0])) == 3
+
+
+def test_session_table_is_bounded() -> None:
+    rt = runtime(parse_scheduler_config({"sessions": {"maxSessions": 3}}))
+    for i in range(10):
+        rt.deps.sessions.put("prefill", f"s{i}", "p")
+    assert len(rt.deps.sessions) == 3
+    assert rt.deps.sessions.get("prefill", "s9") == "p"
+    assert rt.deps.sessions.get("prefill", "s0") is None
+
+
+# -- filters -----------------------------------------------------------------------------------
+
+
+def test_filters() -> None:
+    ejected = {"default/b"}
+    rt = runtime()
+    rt.set_ejection_hook(lambda key: key in ejected)
+    server = aggregated("a", "b", "c")
+    pods = list(server.aggregated)
+    engine(rt, pods[2], waiting=33.0, kv_usage=0.5)
+    ctx = context(rt, server, request())
+    cands = candidates(rt, pods)
+    assert ReadyFilter(rt.deps, {}).select(ctx, cands) is None
+    assert NotEjectedFilter(rt.deps, {}).select(ctx, cands) == [0, 2]
+    assert NotSaturatedFilter(rt.deps, {}).select(ctx, cands) == [0, 1]
+    assert NotSaturatedFilter(rt.deps, {"maxWaiting": 40.0}).select(ctx, cands) is None
+    assert NotSaturatedFilter(rt.deps, {"maxWaiting": 40.0, "maxKvUsage": 0.4}).select(
+        ctx, cands) == [0, 1]
+    busy(rt, pods[0], 3)
+    assert NotSaturatedFilter(rt.deps, {"maxWaiting": 99.0, "maxInFlight": 2}).select(
+        ctx, candidates(rt, pods)) == [1, 2]
+
+
+def test_a_filter_that_removes_everyone_is_skipped() -> None:
+    rt = runtime()
+    rt.set_ejection_hook(lambda key: True)
+    server = aggregated("a", "b")
+    pick = rt.scheduler.pick(server, request(), frozenset())
+    assert pick is not None
+    assert sample(rt.metrics.registry, "pdgate_scheduler_filter_fallbacks_total",
+                  filter="not-ejected") == 1
+
+
+# -- the pipeline: ties, affinity, anti-herding ------------------------------------------------
+
+
+def test_ties_are_broken_at_random_never_by_list_order() -> None:
+    names = ["a", "b", "c", "d"]
+    for order in (names, names[::-1]):
+        rt = runtime(parse_scheduler_config({"profiles": {"aggregated": {
+            "scorers": [{"type": "least-request"}]}}}), seed=5)
+        server = aggregated(*order)
+        chosen = Counter(name_of(rt, server, request(f"q{i}")) for i in range(400))
+        assert set(chosen) == set(names)
+        assert min(chosen.values()) > 60  # roughly uniform, first in the list not favoured
+
+
+def test_same_seed_same_choices() -> None:
+    server = aggregated("a", "b", "c", "d")
+    runs = []
+    for _ in range(2):
+        rt = runtime(seed=9)
+        runs.append([rt.scheduler.pick(server, request(f"q{i}", system="x"), frozenset())
+                     for i in range(50)])
+    assert runs[0] == runs[1]
+
+
+def test_a_clearly_worse_pod_is_not_part_of_the_tie() -> None:
+    rt = runtime()
+    server = aggregated("a", "b", "c")
+    busy(rt, server.aggregated[0], 3)
+    chosen = {name_of(rt, server, request(f"q{i}", system="x")) for i in range(100)}
+    assert chosen == {"b", "c"}
+
+
+def test_warm_pod_wins_at_equal_load_and_the_pick_records_the_prompt() -> None:
+    rt = runtime()
+    server = aggregated("a", "b", "c", "d")
+    first = rt.scheduler.pick(server, request("first question"), frozenset())
+    assert first is not None
+    for i in range(20):  # same system prompt, new questions: all go to the warm pod
+        pick = rt.scheduler.pick(server, request(f"question {i}"), frozenset())
+        assert pick == first
+    registry = rt.metrics.registry
+    queries = sample(registry, "pdgate_prefix_cache_queries_total", index="approximate")
+    hits = sample(registry, "pdgate_prefix_cache_hits_total", index="approximate")
+    assert 0.8 < hits / queries < 1.0
+    assert sample(registry, "pdgate_scheduler_decision_seconds_count", kind="aggregated") == 21
+
+
+def test_similar_cache_benefit_lets_load_decide() -> None:
+    rt = runtime()
+    server = aggregated("a", "b")
+    a, b = server.aggregated
+    req = request()
+    hashes = context(rt, server, req).prompt.approx_hashes()
+    rt.approx.record(a.key, hashes)  # a holds everything
+    rt.approx.record(b.key, hashes[: len(hashes) - 1])  # b holds all but the last block
+    busy(rt, a, 1)
+    pick = rt.scheduler.pick(server, req, frozenset())
+    assert pick is not None and pick.decode == b
+    # Without the similarity band, a's one extra block outweighs its one request.
+    strict = runtime(parse_scheduler_config({"profiles": {"aggregated": {
+        "scorers": [{"type": "prefix-cache"}, {"type": "least-request"}],
+        "picker": {"cacheSimilarity": 0.0, "tieTolerance": 0.0}}}}))
+    strict.approx.record(a.key, hashes)
+    strict.approx.record(b.key, hashes[: len(hashes) // 2])
+    busy(strict, a, 1)
+    assert strict.scheduler.pick(server, req, frozenset()) == Pick(decode=a)
+
+
+def test_guard_overrides_affinity_when_the_warm_pod_is_far_busier() -> None:
+    long_system = "Every word of this system prompt costs prefill time. " * 600  # ~32 KB
+    req = request(system=long_system)
+    server = aggregated("warm", "cold")
+    warm, cold = server.aggregated
+    unguarded = parse_scheduler_config({"profiles": {"aggregated": {
+        "scorers": [{"type": "prefix-cache"}, {"type": "least-request"}],
+        "picker": {"guard": {"absolute": 0}}}}})
+    guarded = parse_scheduler_config({"profiles": {"aggregated": {
+        "scorers": [{"type": "prefix-cache"}, {"type": "least-request"}]}}})
+    for config, expected in ((unguarded, warm), (guarded, cold)):
+        rt = runtime(config)
+        rt.approx.record(warm.key, context(rt, server, req).prompt.approx_hashes())
+        busy(rt, warm, 8)  # 8 requests x ~50 ms queue wait < ~0.8 s of prefill saved
+        assert rt.scheduler.pick(server, req, frozenset()) == Pick(decode=expected)
+    assert sample(rt.metrics.registry, "pdgate_scheduler_guard_overrides_total",
+                  role="aggregated") == 1
+
+
+def test_guard_is_relative_too() -> None:
+    rt = runtime()
+    server = aggregated("warm", "cold")
+    warm, cold = server.aggregated
+    req = request()
+    rt.approx.record(warm.key, context(rt, server, req).prompt.approx_hashes())
+    busy(rt, warm, 20)
+    busy(rt, cold, 15)  # 5 apart and not twice as busy: affinity and cost decide
+    costs_pick = rt.scheduler.pick(server, req, frozenset())
+    assert costs_pick is not None
+    assert sample(rt.metrics.registry, "pdgate_scheduler_guard_overrides_total",
+                  role="aggregated") == 0
+
+
+def test_a_hot_prefix_spreads_under_load() -> None:
+    rt = runtime()
+    server = aggregated("a", "b", "c", "d")
+    chosen: Counter[str] = Counter()
+    for i in range(40):  # nothing completes: in-flight keeps growing
+        pick = rt.scheduler.pick(server, request(f"q{i}"), frozenset())
+        assert pick is not None
+        rt.deps.inflight.acquire(pick.decode)
+        chosen[pick.decode.pod_name] += 1
+    assert len(chosen) == 4
+    assert max(chosen.values()) - min(chosen.values()) <= 10
+
+
+def test_avoided_pods_are_used_only_when_nothing_else_is_left() -> None:
+    rt = runtime()
+    server = aggregated("a", "b")
+    a, b = server.aggregated
+    for i in range(20):
+        assert rt.scheduler.pick(server, request(f"{i}"), frozenset({a.key})) == Pick(decode=b)
+    assert rt.scheduler.pick(server, request(), frozenset({a.key, b.key})) is not None
+    assert rt.scheduler.pick(aggregated(), request(), frozenset()) is None
+
+
+# -- prefill/decode pairs ----------------------------------------------------------------------
+
+
+def test_pairs_stay_inside_a_group() -> None:
+    rt = runtime()
+    server = pd_server({"g0": (["p0"], ["d0"]), "g1": (["p1", "p2"], ["d1"])})
+    for i in range(50):
+        pick = rt.scheduler.pick(server, request(f"{i}", system="x"), frozenset())
+        assert pick is not None and pick.prefill is not None
+        assert pick.prefill.group == pick.decode.group
+
+
+def test_a_group_with_a_saturated_decode_is_not_chosen_for_its_warm_prefill() -> None:
+    rt = runtime()
+    server = pd_server({"g0": (["p0"], ["d0"]), "g1": (["p1"], ["d1"])})
+    p0 = server.groups[0].prefill[0]
+    d0 = server.groups[0].decode[0]
+    req = request()
+    rt.approx.record(p0.key, context(rt, server, req).prompt.approx_hashes())
+    pick = rt.scheduler.pick(server, req, frozenset())
+    assert pick is not None and pick.prefill == p0  # warm prefill, healthy decode
+    engine(rt, d0, waiting=100.0, kv_usage=1.0, running=64.0)  # decode side saturated
+    for _ in range(10):
+        pick = rt.scheduler.pick(server, req, frozenset())
+        assert pick is not None and pick.decode.group == "g1"
+
+
+def test_pair_cost_includes_decode_load() -> None:
+    config = parse_scheduler_config({"profiles": {"decode": {
+        "filters": ["ready"], "scorers": [{"type": "kv-cache-usage"}]}}})
+    rt = runtime(config)
+    server = pd_server({"g0": (["p0"], ["d0"]), "g1": (["p1"], ["d1"])})
+    engine(rt, server.groups[0].decode[0], kv_usage=0.95)
+    engine(rt, server.groups[1].decode[0], kv_usage=0.10)
+    for i in range(20):
+        pick = rt.scheduler.pick(server, request(f"{i}", system="x"), frozenset())
+        assert pick is not None and pick.decode.pod_name == "d1"
+
+
+def test_pd_with_avoid_and_relaxation() -> None:
+    rt = runtime()
+    server = pd_server({"g0": (["p0"], ["d0"]), "g1": (["p1"], ["d1"])})
+    p0, d1 = server.groups[0].prefill[0], server.groups[1].decode[0]
+    # Avoiding p0 and d1 leaves no pair in either group without one of them: relaxed.
+    pick = rt.scheduler.pick(server, request(), frozenset({p0.key, d1.key}))
+    assert pick is not None and pick.prefill is not None
+    assert pick.prefill.group == pick.decode.group
+    pick = rt.scheduler.pick(server, request(), frozenset({p0.key}))
+    assert pick is not None and pick.prefill is not None and pick.prefill.pod_name == "p1"
+    assert rt.scheduler.pick(pd_server({}), request(), frozenset()) is None
+
+
+def test_score_unit_profiles() -> None:
+    config = parse_scheduler_config({"profiles": {
+        name: {"unit": "score", "scorers": [{"type": "least-request", "weight": 2.0},
+                                            {"type": "kv-cache-usage", "weight": 1.0}]}
+        for name in ("prefill", "decode")}})
+    rt = runtime(config)
+    server = pd_server({"g0": (["p0"], ["d0"]), "g1": (["p1"], ["d1"])})
+    busy(rt, server.groups[0].prefill[0], 1)
+    pick = rt.scheduler.pick(server, request(), frozenset())
+    assert pick is not None and pick.prefill is not None and pick.prefill.pod_name == "p1"
+    assert sample(rt.metrics.registry, "pdgate_scheduler_decision_seconds_count",
+                  kind="pd") == 1

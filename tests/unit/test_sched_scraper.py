@@ -1,0 +1,198 @@
+"""Engine metrics: parsing vLLM and SGLang pages, concurrent scraping, staleness, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from router.resources import ModelServer, ObjectMeta
+from router.scheduling.metrics import SchedulerMetrics
+from router.scheduling.metrics_scraper import (
+    EngineLoad,
+    EngineMetricsStore,
+    MetricsScraper,
+    ScrapeSettings,
+    parse_engine_metrics,
+)
+from router.view import Endpoint, ServerPods, Snapshot
+
+VLLM = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_running{engine="1",model_name="m"} 2.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 7.0
+vllm:num_requests_waiting_by_reason{engine="0",reason="capacity"} 99.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.5
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",cache_dtype="auto",enable_prefix_caching="True",\
+num_cpu_blocks="None",num_gpu_blocks="2048",swap_space="4"} 1.0
+vllm:e2e_request_latency_seconds_bucket{le="0.3",model_name="m"} 12.0
+"""
+
+OLD_VLLM = """\
+vllm:num_requests_running 1
+vllm:num_requests_waiting 0 1712000000000
+vllm:gpu_cache_usage_perc 0.75
+"""
+
+SGLANG = """\
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{model_name="m",tp_rank="0"} 4.0
+sglang:num_queue_reqs{model_name="m",tp_rank="0"} 1.0
+sglang:token_usage{model_name="m",tp_rank="0"} 0.6
+sglang:max_total_num_tokens{model_name="m",tp_rank="0"} 471258.0
+"""
+
+
+def test_parse_vllm() -> None:
+    load = parse_engine_metrics(VLLM.encode(), at=5.0)
+    assert load == EngineLoad(running=5.0, waiting=7.0, kv_usage=0.5,
+                              capacity_tokens=2048 * 16, at=5.0)
+
+
+def test_parse_older_vllm_and_timestamps() -> None:
+    load = parse_engine_metrics(OLD_VLLM.encode())
+    assert (load.running, load.waiting, load.kv_usage, load.capacity_tokens) == (
+        1.0, 0.0, 0.75, None)
+
+
+def test_parse_sglang() -> None:
+    load = parse_engine_metrics(SGLANG.encode())
+    assert (load.running, load.waiting, load.kv_usage, load.capacity_tokens) == (
+        4.0, 1.0, 0.6, 471258)
+
+
+def test_parse_garbage() -> None:
+    load = parse_engine_metrics(b"vllm:num_requests_running{oops 1\nnothing here\n")
+    assert (load.running, load.waiting, load.kv_usage) == (None, None, None)
+    assert parse_engine_metrics(b"vllm:kv_cache_usage_perc 7\n").kv_usage == 1.0  # clamped
+
+
+def test_store_answers_only_while_fresh() -> None:
+    store = EngineMetricsStore(stale_after_s=1.0)
+    store.put("a", EngineLoad(waiting=1.0, at=100.0))
+    assert store.get("a", 100.5) is not None
+    assert store.get("a", 101.5) is None
+    assert store.get_many(["a", "b"], 100.5) == [EngineLoad(waiting=1.0, at=100.0), None]
+    assert store.get_many(["a"], 102.0) == [None]
+    store.retain({"b"})
+    assert len(store) == 0
+
+
+def _snapshot(ports: list[int]) -> Snapshot:
+    server = ServerPods(
+        server=ModelServer(meta=ObjectMeta(name="s"), model="m", inference_engine="vLLM",
+                           match_labels={"a": "b"}, pd_group=None, port=0),
+        aggregated=tuple(Endpoint("ns", f"p{port}", "127.0.0.1", port, "both")
+                         for port in ports),
+    )
+    return Snapshot(servers={("default", "s"): server})
+
+
+async def test_scraper_reads_every_pod_concurrently_and_counts_errors() -> None:
+    slow_release = asyncio.Event()
+    calls: dict[str, int] = {}
+
+    enough = asyncio.Event()
+
+    async def good(request: web.Request) -> web.Response:
+        calls["good"] = calls.get("good", 0) + 1
+        if calls["good"] >= 4:
+            enough.set()
+        return web.Response(text=VLLM)
+
+    async def slow(request: web.Request) -> web.Response:
+        calls["slow"] = calls.get("slow", 0) + 1
+        await slow_release.wait()
+        return web.Response(text=VLLM)
+
+    async def broken(request: web.Request) -> web.Response:
+        return web.Response(status=500)
+
+    runners = []
+    ports = []
+    for handler in (good, slow, broken):
+        app = web.Application()
+        app.router.add_get("/metrics", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        runners.append(runner)
+        ports.append(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+    # A port with nothing listening.
+    ports.append(1)
+
+    registry = CollectorRegistry()
+    store = EngineMetricsStore()
+    capacities: list[tuple[str, int | None]] = []
+    scraper = MetricsScraper(
+        store, SchedulerMetrics(registry),
+        ScrapeSettings(interval_s=0.05, timeout_s=0.3, stale_after_intervals=4),
+        on_capacity=lambda key, tokens: capacities.append((key, tokens)),
+    )
+    scraper.on_snapshot(_snapshot(ports))
+    task = asyncio.create_task(scraper.run())
+    try:
+        await asyncio.wait_for(enough.wait(), 5)
+        # The good pod is scraped every interval although the slow one hangs.
+        assert calls["good"] >= 4
+        assert calls["slow"] == 1
+        now = time.monotonic()
+        good_key, slow_key = f"ns/p{ports[0]}", f"ns/p{ports[1]}"
+        load = store.get(good_key, now)
+        assert load is not None and load.waiting == 7.0
+        assert store.get(slow_key, now) is None
+        assert capacities == [(good_key, 32768)]  # reported once, not every scrape
+        await asyncio.sleep(0.4)  # the slow scrape times out
+        sample = registry.get_sample_value
+        assert (sample("pdgate_engine_scrape_errors_total", {"reason": "timeout"}) or 0) >= 1
+        assert (sample("pdgate_engine_scrape_errors_total", {"reason": "http"}) or 0) >= 1
+        assert (sample("pdgate_engine_scrape_errors_total", {"reason": "connect"}) or 0) >= 1
+        # Pods that leave are forgotten.
+        scraper.on_snapshot(_snapshot([ports[2]]))
+        assert store.get(good_key, time.monotonic()) is None
+    finally:
+        slow_release.set()
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        for runner in runners:
+            await runner.cleanup()
+
+
+async def test_scrape_once_and_stale_values() -> None:
+    async def sglang(request: web.Request) -> web.Response:
+        return web.Response(text=SGLANG)
+
+    app = web.Application()
+    app.router.add_get("/metrics", sglang)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    clock = [1000.0]
+    store = EngineMetricsStore()
+    scraper = MetricsScraper(store, SchedulerMetrics(CollectorRegistry()),
+                             ScrapeSettings(interval_s=0.1, stale_after_intervals=5),
+                             clock=lambda: clock[0])
+    scraper.on_snapshot(_snapshot([port]))
+    try:
+        async with aiohttp.ClientSession() as session:
+            await scraper.scrape_once(session)
+        assert store.get(f"ns/p{port}", 1000.4) is not None
+        assert store.get(f"ns/p{port}", 1000.6) is None  # older than 5 intervals: unknown
+    finally:
+        await runner.cleanup()

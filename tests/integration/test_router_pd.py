@@ -293,3 +293,25 @@ async def test_killed_prefill_pod_is_retried_on_other_group(
     assert _router_requests(metrics, "200") == 6
     assert all(v == 0 for _, v in metric_values(metrics, "pdgate_inflight_requests"))
     wait_http(f"{sim.router_url}/readyz")
+
+
+async def test_dashboard_queries_only_metrics_a_live_router_exposes(
+    cluster: tuple[SimCluster, int], client: openai.AsyncOpenAI
+) -> None:
+    """Every series the shipped Grafana dashboard plots has samples on this router."""
+    from tests.unit.test_deploy_dashboard import queried_metrics
+
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=2, stream=True
+    )
+    async for _ in stream:
+        pass
+    metrics = cluster[0].router_metrics()
+    sampled = {line.split("{")[0].split(" ")[0] for line in metrics.splitlines()
+               if line and not line.startswith("#")}
+    for name in queried_metrics():
+        # A histogram is queried through its buckets.
+        # A labelled counter nobody incremented yet (retries) is still declared.
+        assert name in sampled or f"{name}_bucket" in sampled or (
+            f"# TYPE {name} counter" in metrics
+        ), f"{name} is on the dashboard but not on /metrics"

@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from engine_sim.generation import expected_text
+from engine_sim.mooncake_master import MooncakeMaster
 from engine_sim.tokenizer import render_chat
 from tests.integration.harness import (
     SimCluster,
@@ -252,9 +253,14 @@ async def test_yaml_edit_during_stream(cluster: tuple[SimCluster, int]) -> None:
 
 
 @pytest.fixture
-def fragile_cluster(mooncake_master: object, tmp_path: Path) -> Iterator[tuple[SimCluster, int]]:
-    """Its own pods, so a test may kill one."""
-    sim = SimCluster(mooncake_master, tmp_path)
+def fragile_cluster(tmp_path: Path) -> Iterator[tuple[SimCluster, int]]:
+    """Its own pods and Mooncake master, so a test may kill a pod.
+
+    A killed pod takes its share of the store's memory with it, and other pods' writes
+    fail until the master notices: that must not leak into the shared session master.
+    """
+    master = MooncakeMaster(log_path=tmp_path / "mooncake-master.log").start()
+    sim = SimCluster(master, tmp_path)
     specs = [
         SimPodSpec(name=f"{g}-{r}", ip=f"127.0.0.{base + i}", role=r, group=g,
                    labels={"app": "fragile", "group": g, "role": r})
@@ -273,6 +279,7 @@ def fragile_cluster(mooncake_master: object, tmp_path: Path) -> Iterator[tuple[S
         yield sim, port
     finally:
         sim.stop()
+        master.stop()
 
 
 async def test_killed_prefill_pod_is_retried_on_other_group(

@@ -14,8 +14,16 @@ from collections.abc import Callable, Sequence
 from typing import cast
 
 from engine_sim.block_hash import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_SEED
+from engine_sim.bootstrap import (
+    DEFAULT_BOOTSTRAP_PORT,
+    DEFAULT_KV_WAIT_TIMEOUT_S,
+    BootstrapError,
+    BootstrapFault,
+)
 from engine_sim.config import Role, SimConfig
+from engine_sim.faults import FaultSpec, check_spec
 from engine_sim.kv_blocks import DEFAULT_KV_BLOCK_BYTES
+from engine_sim.kv_events_pub import DEFAULT_EVENTS_PORT, DEFAULT_REPLAY_PORT, KVEventsError
 from engine_sim.kvstore import (
     DEFAULT_GLOBAL_SEGMENT_BYTES,
     DEFAULT_LOCAL_BUFFER_BYTES,
@@ -111,8 +119,99 @@ def build_parser() -> argparse.ArgumentParser:
     add("--recent-records", type=int, default=DEFAULT_RECENT_RECORDS, help="/sim/stats ring size")
     add("--keep-alive-timeout", type=float, default=5.0, help="idle keep-alive seconds")
     add("--port-file", help="write the bound port to this file once serving")
+    add(
+        "--bootstrap-port",
+        type=int,
+        help="prefill pods: port of upstream vLLM MooncakeConnector's bootstrap server "
+        f"(GET /query), on --host; 0: any free port (default: {DEFAULT_BOOTSTRAP_PORT}, "
+        "skipped with a warning if taken)",
+    )
+    add(
+        "--bootstrap-fault",
+        choices=[fault.value for fault in BootstrapFault],
+        default=BootstrapFault.NONE.value,
+        help="make the bootstrap server misbehave (down, error, garbage, empty, malformed)",
+    )
+    add(
+        "--kv-wait-timeout",
+        type=float,
+        default=DEFAULT_KV_WAIT_TIMEOUT_S,
+        help="decode: seconds to wait for KV of a transfer_id (upstream vLLM Mooncake flow)",
+    )
+    add(
+        "--kv-events-port",
+        type=int,
+        help="vLLM KV events ZMQ PUB port, bound on --host; 0: off "
+        f"(default: {DEFAULT_EVENTS_PORT}, skipped with a warning if taken)",
+    )
+    add(
+        "--kv-events-replay-port",
+        type=int,
+        help="KV events replay (ZMQ ROUTER) port; 0: no replay "
+        f"(default: {DEFAULT_REPLAY_PORT}, skipped with a warning if taken)",
+    )
+    add(
+        "--store-prefix-cache",
+        action="store_true",
+        help="read prompt blocks the prefix cache lacks from the Mooncake Store when it holds "
+        "them (an external prefix cache, as vLLM with a store connector)",
+    )
+    add(
+        "--store-load-per-token-ms",
+        type=float,
+        default=0.02,
+        help="cost of a prompt token read from the store by --store-prefix-cache",
+    )
     add("--log-level", default="info", help="Python logging level")
+    _add_fault_flags(parser)
     return parser
+
+
+def _add_fault_flags(parser: argparse.ArgumentParser) -> None:
+    """`--fault-*`: faults to inject from the start (also settable at runtime: /sim/faults)."""
+    group = parser.add_argument_group("fault injection (see engine_sim/faults.py)")
+    add = group.add_argument
+    add("--fault-error-rate", type=float, default=0.0, help="share of requests answered 5xx")
+    add("--fault-error-status", type=int, default=500, help="status of an injected error")
+    add("--fault-hang-rate", type=float, default=0.0, help="share of requests never answered")
+    add("--fault-hang-seconds", type=float, default=3600.0, help="how long a hang lasts")
+    add("--fault-slow-start-ms", type=float, default=0.0, help="delay before every request")
+    add("--fault-drop-rate", type=float, default=0.0, help="share of connections dropped")
+    add("--fault-drop-after", type=int, default=2, help="stream chunks sent before a drop")
+    add(
+        "--fault-no-kv-params-rate",
+        type=float,
+        default=0.0,
+        help="share of prefill answers sent without kv_transfer_params",
+    )
+    add(
+        "--fault-kv-missing-rate",
+        type=float,
+        default=0.0,
+        help="share of decode requests that cannot find their KV in the store",
+    )
+    add("--fault-crash-on-request", type=int, default=0, help="exit on this request number")
+    add("--fault-match", default="", help="only fault requests whose body contains this text")
+    add("--fault-seed", type=int, default=0, help="seed of the fault draws")
+
+
+def _fault_spec(args: argparse.Namespace) -> FaultSpec:
+    spec = FaultSpec(
+        error_rate=args.fault_error_rate,
+        error_status=args.fault_error_status,
+        hang_rate=args.fault_hang_rate,
+        hang_s=args.fault_hang_seconds,
+        slow_start_ms=args.fault_slow_start_ms,
+        drop_rate=args.fault_drop_rate,
+        drop_after_chunks=args.fault_drop_after,
+        no_kv_params_rate=args.fault_no_kv_params_rate,
+        kv_missing_rate=args.fault_kv_missing_rate,
+        crash_on_request=args.fault_crash_on_request,
+        match=args.fault_match,
+        seed=args.fault_seed,
+    )
+    check_spec(spec)
+    return spec
 
 
 def parse_config(argv: Sequence[str] | None = None) -> SimConfig:
@@ -130,6 +229,18 @@ def _parse(argv: Sequence[str] | None) -> tuple[SimConfig, argparse.Namespace]:
     for name in ("max_num_seqs", "kv_capacity_blocks", "block_size", "kv_block_bytes"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")
+    if args.bootstrap_port is not None and not 0 <= args.bootstrap_port < 65536:
+        parser.error("--bootstrap-port must be a TCP port (0: any free port)")
+    if args.kv_wait_timeout <= 0:
+        parser.error("--kv-wait-timeout must be positive")
+    for name in ("kv_events_port", "kv_events_replay_port"):
+        value = getattr(args, name)
+        if value is not None and not 0 <= value < 65536:
+            parser.error(f"--{name.replace('_', '-')} must be a TCP port (0: off)")
+    try:
+        faults = _fault_spec(args)
+    except ValueError as exc:
+        parser.error(f"fault flags: {exc}")
     latency = (
         LatencyModel.fast()
         if args.fast
@@ -168,6 +279,14 @@ def _parse(argv: Sequence[str] | None) -> tuple[SimConfig, argparse.Namespace]:
         recent_records=args.recent_records,
         keep_alive_timeout_s=args.keep_alive_timeout,
         port_file=args.port_file,
+        bootstrap_port=args.bootstrap_port,
+        bootstrap_fault=args.bootstrap_fault,
+        kv_wait_timeout_s=args.kv_wait_timeout,
+        kv_events_port=args.kv_events_port,
+        kv_events_replay_port=args.kv_events_replay_port,
+        store_prefix_cache=args.store_prefix_cache,
+        store_load_per_token_s=0.0 if args.fast else args.store_load_per_token_ms / 1e3,
+        faults=faults,
     )
     return config, args
 
@@ -198,7 +317,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
             runner.run(_run(config))
-    except KVStoreError as exc:
+    except (KVStoreError, BootstrapError, KVEventsError) as exc:
         print(f"engine_sim: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from engine_sim.block_hash import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_SEED
+from engine_sim.bootstrap import DEFAULT_KV_WAIT_TIMEOUT_S
+from engine_sim.faults import FaultSpec
 from engine_sim.kv_blocks import DEFAULT_KV_BLOCK_BYTES
 from engine_sim.kvstore import DEFAULT_GLOBAL_SEGMENT_BYTES, DEFAULT_LOCAL_BUFFER_BYTES
 from engine_sim.latency import LatencyModel
@@ -34,6 +36,17 @@ class SimConfig:
     kv_block_bytes: int = DEFAULT_KV_BLOCK_BYTES
     hash_seed: str = DEFAULT_HASH_SEED
     block_ids_per_group: bool = False
+    # Upstream vLLM MooncakeConnector (engine_sim.bootstrap). None: 8998, best effort.
+    bootstrap_port: int | None = None
+    bootstrap_fault: str = "none"
+    kv_wait_timeout_s: float = DEFAULT_KV_WAIT_TIMEOUT_S
+    # vLLM KV events (engine_sim.kv_events_pub). None: 5557 / 5558, best effort; 0: off.
+    kv_events_port: int | None = None
+    kv_events_replay_port: int | None = None
+    # Prefix reuse through the store (vLLM with a Mooncake Store connector): prefill reads
+    # the leading blocks its own cache lacks from the store, at this cost per token.
+    store_prefix_cache: bool = False
+    store_load_per_token_s: float = 0.00002
     max_num_seqs: int = 256
     max_waiting: int = DEFAULT_MAX_WAITING
     max_model_len: int = 32_768
@@ -42,3 +55,4 @@ class SimConfig:
     recent_records: int = DEFAULT_RECENT_RECORDS
     keep_alive_timeout_s: float = 5.0  # vLLM (uvicorn) closes idle connections after 5 s
     port_file: str | None = None
+    faults: FaultSpec = field(default_factory=FaultSpec)  # --fault-* flags, see faults.py

@@ -11,14 +11,15 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine_sim.block_hash import BlockHashMemo
+from engine_sim.bootstrap import BootstrapServer, Rendezvous
 from engine_sim.cache_events import CacheEventSink
 from engine_sim.config import SimConfig
 from engine_sim.generation import local_seed, output_pieces, store_seed
 from engine_sim.kv_params import TransferMode, TransferPlan, build_prefill_handle
-from engine_sim.kv_transfer import KVTransferError, StoreKVTransfer
+from engine_sim.kv_transfer import ImportResult, KVTransferError, StoreKVTransfer
 from engine_sim.kvstore import KVStore
 from engine_sim.latency import pause
 from engine_sim.metrics import EngineMetrics
@@ -27,6 +28,9 @@ from engine_sim.protocol import Limits, ParsedRequest
 from engine_sim.scheduler import Scheduler
 from engine_sim.stats import RecordKind, RequestRecord, SimStats
 from engine_sim.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from engine_sim.kv_events_pub import KVEventPublisher
 
 log = logging.getLogger(__name__)
 
@@ -67,12 +71,24 @@ class Engine:
         self.transfer = (
             StoreKVTransfer(store, config.model, config.kv_block_bytes) if store else None
         )
+        # Upstream vLLM MooncakeConnector: transfer-id rendezvous, bootstrap server (prefill).
+        self.rendezvous = (
+            Rendezvous(self.transfer, config.engine_id, config.kv_wait_timeout_s)
+            if self.transfer
+            else None
+        )
+        self.bootstrap: BootstrapServer | None = None  # set by service.serve on prefill pods
+        self.kv_events: KVEventPublisher | None = None  # set by service.serve when publishing
+        self.store_prefix_queries = 0  # --store-prefix-cache: tokens looked up, tokens read
+        self.store_prefix_hits = 0
         self.stats = SimStats(config.recent_records)
         self.metrics = EngineMetrics(
             config.model,
             running=lambda: self.scheduler.running,
             waiting=lambda: self.scheduler.waiting,
             kv_usage=self.cache.usage,
+            block_size=config.block_size,
+            num_gpu_blocks=config.kv_capacity_blocks,
         )
         self.latency = config.latency
         self.address = (config.advertise_host, config.port)  # updated once the port is bound
@@ -148,9 +164,16 @@ class Engine:
         blocks = 0
         kv_from_store = False
         computed = cached_tokens
-        if plan.mode is TransferMode.IMPORT and plan.handle is not None:
-            transfer = self._require_transfer()
-            imported = await transfer.import_blocks(plan.handle.store_keys, hashes)
+        loaded = 0
+        if (
+            plan.mode is not TransferMode.IMPORT
+            and config.store_prefix_cache
+            and self.transfer is not None
+        ):
+            loaded = await self._load_prefix(hashes, hit_blocks, (num_tokens - 1) // size)
+            computed += loaded * size
+        if plan.mode is TransferMode.IMPORT:
+            imported = await self._import(plan, hashes)
             self.stats.kv_blocks_read += imported.blocks
             blocks = imported.blocks
             kv_from_store = True
@@ -168,26 +191,38 @@ class Engine:
         private = max(0, total_blocks - len(lease.block_hashes))
         self.cache.reserve_private(private)
         try:
-            await pause(self.latency.prefill_seconds(num_tokens - computed))
+            await pause(
+                self.latency.prefill_seconds(num_tokens - computed)
+                + loaded * size * config.store_load_per_token_s
+            )
             handle: dict[str, Any] | None = None
             if plan.mode is TransferMode.EXPORT:
                 exported = await self._require_transfer().export_blocks(hashes)
                 self.stats.kv_blocks_written += exported.written
                 self.stats.kv_blocks_write_skipped += exported.skipped
+                if self.kv_events is not None and exported.written_indices:
+                    self.kv_events.store_written(
+                        hashes, exported.written_indices, token_ids, size
+                    )
                 blocks = len(exported.keys)
-                block_ids = list(lease.block_ids)
-                block_ids += [_NULL_BLOCK_ID] * (len(hashes) - len(block_ids))
-                host, port = self.address
-                handle = build_prefill_handle(
-                    engine_id=config.engine_id,
-                    request_id=internal_id,
-                    host=host,
-                    port=port,
-                    block_ids=block_ids,
-                    num_tokens=num_tokens,
-                    store_keys=exported.keys,
-                    per_group=config.block_ids_per_group,
-                )
+                if plan.transfer_id is not None:  # upstream vLLM Mooncake: no handle
+                    await self._require_rendezvous().publish(
+                        plan.transfer_id, exported.keys, num_tokens, internal_id
+                    )
+                else:
+                    block_ids = list(lease.block_ids)
+                    block_ids += [_NULL_BLOCK_ID] * (len(hashes) - len(block_ids))
+                    host, port = self.address
+                    handle = build_prefill_handle(
+                        engine_id=config.engine_id,
+                        request_id=internal_id,
+                        host=host,
+                        port=port,
+                        block_ids=block_ids,
+                        num_tokens=num_tokens,
+                        store_keys=exported.keys,
+                        per_group=config.block_ids_per_group,
+                    )
         except BaseException:
             self.cache.release(lease)
             self.cache.release_private(private)
@@ -200,6 +235,37 @@ class Engine:
             kv_transfer_params=handle,
         )
         return generation, lease, private, blocks
+
+    async def _load_prefix(self, hashes: tuple[int, ...], start: int, stop: int) -> int:
+        """Blocks `start`.. of the prompt read from the store (`--store-prefix-cache`).
+
+        A store error only costs the hit: prefill computes those blocks instead.
+        """
+        assert self.transfer is not None
+        loaded = 0
+        if start < stop:
+            try:
+                loaded = await self.transfer.load_prefix(hashes[start:stop])
+            except KVTransferError as exc:
+                log.warning("store prefix lookup failed, computing instead: %s", exc.message)
+        size = self.config.block_size
+        queried, hit = (stop - start) * size, loaded * size
+        self.store_prefix_queries += queried
+        self.store_prefix_hits += hit
+        self.metrics.observe_external_prefix_cache(queried, hit)
+        return loaded
+
+    async def _import(self, plan: TransferPlan, hashes: tuple[int, ...]) -> ImportResult:
+        """Read the prompt's KV named by a NIXL-shaped handle or claimed by transfer id."""
+        if plan.rendezvous is not None:
+            return await self._require_rendezvous().claim(plan.rendezvous, hashes)
+        assert plan.handle is not None
+        return await self._require_transfer().import_blocks(plan.handle.store_keys, hashes)
+
+    def _require_rendezvous(self) -> Rendezvous:
+        self._require_transfer()
+        assert self.rendezvous is not None
+        return self.rendezvous
 
     def _require_transfer(self) -> StoreKVTransfer:
         if self.transfer is None:
@@ -226,6 +292,15 @@ class Engine:
                 "cached_blocks": self.cache.num_cached,
                 "in_use_blocks": self.cache.num_in_use,
                 "usage": self.cache.usage(),
+            },
+            "kv_events": self.kv_events.stats_json() if self.kv_events else None,
+            "store_prefix_cache": {
+                "queries": self.store_prefix_queries,
+                "hits": self.store_prefix_hits,
+            },
+            "mooncake_vllm": {
+                "bootstrap": self.bootstrap.status_json() if self.bootstrap else None,
+                **(self.rendezvous.stats_json() if self.rendezvous else {}),
             },
             **self.stats.to_json(),
         }

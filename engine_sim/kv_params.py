@@ -16,6 +16,10 @@ Only full blocks are transferred; decode recomputes the partial tail. Only a non
 prefill response carries the handle. As in vLLM, decode
 treats a handle missing any of engine id, host, port or block ids as "no transfer" and
 prefills locally; here the store keys are required too.
+
+Upstream vLLM's MooncakeConnector carries no handle: prefill gets `transfer_id` beside
+`do_remote_decode`, and decode gets `transfer_id`, `remote_bootstrap_addr` and
+`remote_engine_id` (`RendezvousParams`; the exchange is in `engine_sim.bootstrap`).
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from enum import Enum
 from typing import Any, Final
 
 STORE_KEYS_FIELD: Final = "mooncake_store_keys"
+TRANSFER_ID_FIELD: Final = "transfer_id"
+BOOTSTRAP_ADDR_FIELD: Final = "remote_bootstrap_addr"
 
 
 class TransferMode(Enum):
@@ -51,9 +57,22 @@ class PrefillHandle:
 
 
 @dataclass(frozen=True, slots=True)
+class RendezvousParams:
+    """Decode-side fields of upstream vLLM's MooncakeConnector: whom to pull from, by id."""
+
+    transfer_id: str
+    bootstrap_addr: str
+    engine_id: str
+
+
+@dataclass(frozen=True, slots=True)
 class TransferPlan:
+    """`handle` (NIXL-shaped) or `rendezvous` on IMPORT; `transfer_id` on an upstream EXPORT."""
+
     mode: TransferMode
     handle: PrefillHandle | None = None
+    rendezvous: RendezvousParams | None = None
+    transfer_id: str | None = None
 
 
 def _flat_block_ids(raw: Any) -> tuple[int, ...] | None:
@@ -74,9 +93,14 @@ def parse_kv_transfer_params(raw: Any) -> TransferPlan:
     if not isinstance(raw, Mapping):
         raise ValueError("'kv_transfer_params' must be an object")
     if raw.get("do_remote_decode") is True:
+        transfer_id = raw.get(TRANSFER_ID_FIELD)
+        if isinstance(transfer_id, str) and transfer_id:
+            return TransferPlan(TransferMode.EXPORT, transfer_id=transfer_id)
         return TransferPlan(TransferMode.EXPORT)
     if raw.get("do_remote_prefill") is not True:
         return TransferPlan(TransferMode.NONE)
+    if TRANSFER_ID_FIELD in raw or BOOTSTRAP_ADDR_FIELD in raw:
+        return _rendezvous_plan(raw)
     engine_id, host, port = (
         raw.get("remote_engine_id"),
         raw.get("remote_host"),
@@ -106,6 +130,19 @@ def parse_kv_transfer_params(raw: Any) -> TransferPlan:
             num_tokens=num_tokens if isinstance(num_tokens, int) else None,
             store_keys=tuple(keys),
         ),
+    )
+
+
+def _rendezvous_plan(raw: Mapping[str, Any]) -> TransferPlan:
+    """Upstream vLLM decode params: all three fields or, as in vLLM, no transfer at all."""
+    values = [raw.get(name) for name in (TRANSFER_ID_FIELD, BOOTSTRAP_ADDR_FIELD)]
+    values.append(raw.get("remote_engine_id"))
+    if not all(isinstance(value, str) and value for value in values):
+        return TransferPlan(TransferMode.INCOMPLETE)
+    transfer_id, bootstrap_addr, engine_id = values
+    return TransferPlan(
+        TransferMode.IMPORT,
+        rendezvous=RendezvousParams(str(transfer_id), str(bootstrap_addr), str(engine_id)),
     )
 
 

@@ -36,6 +36,8 @@ class ExportResult:
     keys: tuple[str, ...]
     written: int
     skipped: int
+    #: Positions (in the prompt's blocks) of the blocks this call wrote: KV events name them.
+    written_indices: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +69,27 @@ class StoreKVTransfer:
                 )
         except KVStoreError as exc:
             raise KVTransferError("store", 500, f"KV store write failed: {exc}") from exc
-        return ExportResult(tuple(keys), len(missing), len(keys) - len(missing))
+        return ExportResult(tuple(keys), len(missing), len(keys) - len(missing), tuple(missing))
+
+    async def load_prefix(self, block_hashes: Sequence[int]) -> int:
+        """How many leading `block_hashes` the store holds, read and checked (prefix reuse).
+
+        Reads the leading run of blocks present in the store and stops at the first block
+        that is missing or does not hold that block's bytes.
+        """
+        if not block_hashes:
+            return 0
+        keys = [store_key(self.model, h) for h in block_hashes]
+        try:
+            present = await self.store.exists(keys)
+            count = next((i for i, found in enumerate(present) if not found), len(keys))
+            values = await self.store.get(keys[:count]) if count else []
+        except KVStoreError as exc:
+            raise KVTransferError("store", 500, f"KV store read failed: {exc}") from exc
+        for index, value in enumerate(values):
+            if value != block_payload(self.model, block_hashes[index], self.block_bytes):
+                return index
+        return count
 
     async def import_blocks(
         self, store_keys: Sequence[str], block_hashes: Sequence[int]

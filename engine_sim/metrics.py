@@ -34,10 +34,20 @@ class EngineMetrics:
         running: Callable[[], float],
         waiting: Callable[[], float],
         kv_usage: Callable[[], float],
+        block_size: int | None = None,
+        num_gpu_blocks: int | None = None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         labels = (model_name, "0")
         reg = self.registry
+        if block_size is not None and num_gpu_blocks is not None:
+            # vLLM's info gauge: routers size their prefix index from it (blocks x size).
+            Gauge(
+                "vllm:cache_config_info",
+                "Information of the LLMEngine CacheConfig.",
+                ("block_size", "num_gpu_blocks"),
+                registry=reg,
+            ).labels(str(block_size), str(num_gpu_blocks)).set(1.0)
         for name, doc, read in (
             ("vllm:num_requests_running", "Requests running.", running),
             ("vllm:num_requests_waiting", "Requests waiting.", waiting),
@@ -49,6 +59,18 @@ class EngineMetrics:
         ).labels(*labels)
         self._hits = Counter(
             "vllm:prefix_cache_hits", "Prefix-cache hits, in tokens.", _LABELS, registry=reg
+        ).labels(*labels)
+        self._external_queries = Counter(
+            "vllm:external_prefix_cache_queries",
+            "Prompt tokens looked up in the KV store past the local prefix cache.",
+            _LABELS,
+            registry=reg,
+        ).labels(*labels)
+        self._external_hits = Counter(
+            "vllm:external_prefix_cache_hits",
+            "Prompt tokens read from the KV store instead of computed.",
+            _LABELS,
+            registry=reg,
         ).labels(*labels)
         self._prompt_tokens = Counter(
             "vllm:prompt_tokens", "Prefill tokens processed.", _LABELS, registry=reg
@@ -81,6 +103,10 @@ class EngineMetrics:
     def observe_prefix_cache(self, queried_tokens: int, hit_tokens: int) -> None:
         self._queries.inc(queried_tokens)
         self._hits.inc(hit_tokens)
+
+    def observe_external_prefix_cache(self, queried_tokens: int, hit_tokens: int) -> None:
+        self._external_queries.inc(queried_tokens)
+        self._external_hits.inc(hit_tokens)
 
     def observe_ttft(self, seconds: float, prompt_tokens: int) -> None:
         self._ttft.observe(seconds)

@@ -6,7 +6,9 @@ middleware, no access log, and with `--fast` a whole stream goes out in one writ
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
 import secrets
 import time
 import uuid
@@ -16,7 +18,14 @@ import orjson
 from aiohttp import web
 
 from engine_sim.engine import Engine, Generation
-from engine_sim.kv_params import parse_kv_transfer_params
+from engine_sim.faults import (
+    CRASH_EXIT_STATUS,
+    LEAKY_ERROR_MESSAGE,
+    FaultPlan,
+    Faults,
+    spec_from_json,
+)
+from engine_sim.kv_params import TransferMode, parse_kv_transfer_params
 from engine_sim.kv_transfer import KVTransferError
 from engine_sim.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from engine_sim.protocol import Endpoint, ParsedRequest, RequestError, parse_request
@@ -55,8 +64,10 @@ def _error(exc: RequestError | KVTransferError | QueueFullError, request_id: str
 class SimServer:
     """Routes requests to one `Engine`."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, faults: Faults | None = None) -> None:
         self.engine = engine
+        self.faults = faults or Faults()
+        self.cancelled = 0  # generate requests whose client went away (the handler was cancelled)
         self._created = int(time.time())
 
     def app(self) -> web.Application:
@@ -71,6 +82,9 @@ class SimServer:
         app.router.add_get("/ping", self.health)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/sim/stats", self.sim_stats)
+        app.router.add_get("/sim/faults", self.get_faults)
+        app.router.add_post("/sim/faults", self.set_faults)  # merge fields into the spec
+        app.router.add_put("/sim/faults", self.set_faults)  # replace the spec
         return app
 
     async def _parse(self, request: web.Request, endpoint: Endpoint) -> ParsedRequest:
@@ -90,24 +104,83 @@ class SimServer:
         arrival = time.perf_counter()
         request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
         try:
+            fault = self.faults.plan(await request.read()) if self.faults.armed else None
+            if fault is not None:
+                early = await self._inject_early(fault, request_id)
+                if early is not None:
+                    return early
             parsed = await self._parse(request, endpoint)
             try:
                 plan = parse_kv_transfer_params(parsed.kv_transfer_params)
             except ValueError as exc:
                 raise RequestError(str(exc), param="kv_transfer_params") from exc
+            if fault is not None and fault.kv_missing and plan.mode is TransferMode.IMPORT:
+                self.faults.count("kv_missing")
+                raise KVTransferError(
+                    "missing", 503, "KV block 0 is not in the store (engine_sim fault injection)"
+                )
             response_id = f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-{request_id}"
             # Like vLLM, the engine-internal id adds random characters to the one we were given.
             internal_id = f"{response_id}-{secrets.token_hex(4)}"
             async with self.engine.run(parsed, internal_id, plan, arrival) as generation:
                 if parsed.stream:
-                    return await self._stream(request, parsed, generation, response_id, request_id)
-                return await self._complete(parsed, generation, response_id, request_id)
+                    return await self._stream(
+                        request, parsed, generation, response_id, request_id, fault
+                    )
+                return await self._complete(
+                    request, parsed, generation, response_id, request_id, fault
+                )
         except (RequestError, KVTransferError, QueueFullError) as exc:
             return _error(exc, request_id)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+
+    async def _inject_early(self, fault: FaultPlan, request_id: str) -> web.Response | None:
+        """Faults that strike before the request is parsed: crash, slow start, hang, error."""
+        faults = self.faults
+        if fault.crash:
+            faults.count("crash")
+            log.error("fault injection: crashing on request %d (%s)", faults.requests, request_id)
+            os._exit(CRASH_EXIT_STATUS)
+        if fault.slow_start_s:
+            faults.count("slow_start")
+            await asyncio.sleep(fault.slow_start_s)
+        if fault.hang_s is not None:
+            faults.count("hang")
+            await asyncio.sleep(fault.hang_s)
+            body = error_body("engine_sim fault injection: hung request released", 504)
+            return _json(body, 504, request_id)
+        if fault.error_status is not None:
+            faults.count("error")
+            status = fault.error_status
+            return _json(error_body(LEAKY_ERROR_MESSAGE, status, "InternalServerError"), status,
+                         request_id)
+        return None
+
+    def _drop_connection(self, request: web.Request) -> None:
+        self.faults.count("drop")
+        transport = request.transport
+        if transport is not None:
+            transport.abort()
 
     async def _complete(
-        self, parsed: ParsedRequest, generation: Generation, response_id: str, request_id: str
-    ) -> web.Response:
+        self,
+        request: web.Request,
+        parsed: ParsedRequest,
+        generation: Generation,
+        response_id: str,
+        request_id: str,
+        fault: FaultPlan | None = None,
+    ) -> web.StreamResponse:
+        kv_transfer_params = generation.kv_transfer_params
+        if fault is not None:
+            if fault.drop_after_chunks is not None:
+                self._drop_connection(request)
+                return web.Response()
+            if fault.no_kv_params and kv_transfer_params is not None:
+                self.faults.count("no_kv_params")
+                kv_transfer_params = None
         if self.engine.paces_tokens:
             for _ in range(len(generation.pieces) - 1):
                 await self.engine.token_gap()
@@ -118,7 +191,7 @@ class SimServer:
             parsed.model,
             "".join(generation.pieces),
             usage(generation.prompt_tokens, len(generation.pieces)),
-            generation.kv_transfer_params,
+            kv_transfer_params,
         )
         return _json(body, request_id=request_id)
 
@@ -129,6 +202,7 @@ class SimServer:
         generation: Generation,
         response_id: str,
         request_id: str,
+        fault: FaultPlan | None = None,
     ) -> web.StreamResponse:
         response = web.StreamResponse(headers={**_SSE_HEADERS, REQUEST_ID_HEADER: request_id})
         await response.prepare(request)
@@ -136,6 +210,15 @@ class SimServer:
         pieces = generation.pieces
         last = len(pieces) - 1
         try:
+            if fault is not None and fault.drop_after_chunks is not None:
+                head = writer.start()
+                for i, piece in enumerate(pieces[: fault.drop_after_chunks]):
+                    if i and self.engine.paces_tokens:
+                        await self.engine.token_gap()
+                    await response.write(head + writer.token(piece, i == last))
+                    head = b""
+                self._drop_connection(request)
+                return response
             if not self.engine.paces_tokens:
                 out = [writer.start()]
                 out.extend(writer.token(piece, i == last) for i, piece in enumerate(pieces))
@@ -235,4 +318,18 @@ class SimServer:
         )
 
     async def sim_stats(self, request: web.Request) -> web.Response:
-        return _json(self.engine.stats_json())
+        return _json({**self.engine.stats_json(), "cancelled": self.cancelled})
+
+    async def get_faults(self, request: web.Request) -> web.Response:
+        return _json({**self.faults.to_json(), "cancelled": self.cancelled})
+
+    async def set_faults(self, request: web.Request) -> web.Response:
+        """POST merges the given fields into the current spec; PUT starts from the defaults."""
+        try:
+            data = orjson.loads(await request.read())
+            base = self.faults.spec if request.method == "POST" else None
+            self.faults.set(spec_from_json(data, base))
+        except (orjson.JSONDecodeError, ValueError) as exc:
+            return _json(error_body(str(exc), 400), 400)
+        log.info("fault spec now %s", self.faults.spec)
+        return await self.get_faults(request)

@@ -9,8 +9,11 @@ from pathlib import Path
 
 from aiohttp import web
 
+from engine_sim.bootstrap import start_bootstrap
 from engine_sim.config import SimConfig
 from engine_sim.engine import Engine
+from engine_sim.faults import Faults
+from engine_sim.kv_events_pub import add_debug_routes, start_kv_events
 from engine_sim.kvstore import KVStore, MooncakeConfig, MooncakeKVStore
 from engine_sim.server import SimServer
 
@@ -39,20 +42,33 @@ async def serve(config: SimConfig, stop: asyncio.Event) -> None:
     """Run until `stop` is set. The store connects before the port opens, so /health
     answering means the pod can move KV."""
     store = await connect_store(config)
+    kv_events = None
     try:
-        engine = Engine(config, store)
+        # Before the engine: its prefix cache reports every block from the first request on.
+        kv_events = start_kv_events(config)
+        engine = Engine(config, store, kv_events.on_cache_event if kv_events else None)
+        engine.kv_events = kv_events
+        app = SimServer(engine, Faults(config.faults)).app()
+        add_debug_routes(app, engine)  # GET /sim/cache
         runner = web.AppRunner(
-            SimServer(engine).app(),
+            app,
             access_log=None,
             handle_signals=False,
             keepalive_timeout=config.keep_alive_timeout_s,
+            # Cancel a handler whose client went away, as vLLM aborts such a request.
+            handler_cancellation=True,
         )
         await runner.setup()
+        bootstrap = None
         try:
+            # Before the HTTP port: once /health answers, /query lists this engine.
+            bootstrap = engine.bootstrap = await start_bootstrap(config)
             site = web.TCPSite(runner, config.host, config.port, backlog=LISTEN_BACKLOG)
             await site.start()
             port = int(runner.addresses[0][1])
             engine.address = (config.advertise_host, port)
+            if bootstrap is not None:
+                bootstrap.register_self(config.engine_id, config.advertise_host, port)
             if config.port_file:
                 _write_atomically(Path(config.port_file), f"{port}\n")
             log.info(
@@ -67,8 +83,12 @@ async def serve(config: SimConfig, stop: asyncio.Event) -> None:
             await stop.wait()
             log.info("engine_sim stopping")
         finally:
+            if bootstrap is not None:
+                await bootstrap.stop()
             await runner.cleanup()
     finally:
+        if kv_events is not None:
+            kv_events.close()
         if store is not None:
             await store.close()
 

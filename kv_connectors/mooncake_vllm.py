@@ -4,32 +4,32 @@ Sources: vLLM's connector (vllm-project/vllm,
 vllm/distributed/kv_transfer/kv_connector/v1/mooncake/mooncake_connector.py:
 `update_state_after_alloc`, `request_finished`, `_connect_to_prefiller_bootstrap`;
 mooncake_utils.py: `MooncakeBootstrapServer`), vLLM's reference proxy
-(examples/disaggregated/mooncake_connector/mooncake_connector_proxy.py, formerly
-under examples/online_serving/disaggregated_serving/) and
-docs/features/mooncake_connector_usage.md. The stored vllm-project/router has no
-Mooncake path (its vllm_pd_router.rs only speaks NIXL's sequential handle); the
-router-side shape below is the reference proxy's, which the SMG gateway's
-`mooncake_prefill_params` / `mooncake_decode_params` repeat.
+(examples/disaggregated/mooncake_connector/mooncake_connector_proxy.py) and
+vllm-project/router (src/routers/http/vllm_pd_router.rs, `--kv-connector mooncake`).
 
 The prefill engine's global rank 0 runs a bootstrap server (FastAPI) on
-`VLLM_MOONCAKE_BOOTSTRAP_PORT` (default 8998) where every prefill worker registers.
-Prefill pushes KV to decode (P-push); decode learns where the prefill workers are
-from that server and the prefill learns where to push from decode, keyed by the
-transfer id the router made up. Prefill answers with no handle.
+`VLLM_MOONCAKE_BOOTSTRAP_PORT` (default 8998) where every prefill worker registers
+(`POST /register {engine_id, dp_rank, tp_rank, pp_rank, addr}`). Prefill pushes KV to
+decode (P-push): decode learns where the prefill workers are from that server, prefill
+learns where to push from decode, and the two meet on the transfer id the router made
+up. Prefill answers with no handle (`kv_transfer_params: null`): vLLM's
+`request_finished` returns `(delay_free, None)`, and only for a prefill that stopped on
+length (`FINISHED_LENGTH_CAPPED`).
 
-Exchange, field by field:
+Exchange, field by field, as pdgate sends it:
 
 1. Router -> prefill bootstrap, `GET http://<prefill ip>:<port>/query` (port:
    annotation `pdgate.io/mooncake-bootstrap-port`, default 8998; IPv6 in
    brackets), no headers. Answer: `{"<dp_rank>": {"engine_id": str, "worker_addr":
-   {"<tp_rank>": {"<pp_rank>": "<host:port>"}}, ...}}`, one entry per
-   data-parallel engine (newer vLLM adds `tp_size`, `pp_size`, shard details). We
-   need a non-empty object whose chosen entry has a non-empty string `engine_id` and
-   a non-empty `worker_addr` object (empty means the workers have not registered
-   yet), under a decimal `dp_rank`; anything else is
-   `UpstreamError(reason="bad_bootstrap", retryable=True)`, and so is a failed GET.
-   The rank is the client's `X-data-parallel-rank` if the answer has it, else a
-   random one.
+   {"<tp_rank>": {"<pp_rank>": "tcp://<host>:<port>"}}}}`, one entry per
+   data-parallel engine, `{}` until a worker registered (newer vLLM adds `tp_size`,
+   `pp_size`, shard details; ignored). We need a non-empty object whose chosen entry
+   has a non-empty string `engine_id` and a non-empty `worker_addr` object, under a
+   decimal `dp_rank`; anything else, and any failed GET (refused, timeout, non-2xx,
+   not JSON), is `UpstreamError(reason="bad_bootstrap", retryable=True)`: a problem of
+   this prefill pod, so another pair is tried and the client never sees a 4xx for it.
+   The rank is the client's `X-data-parallel-rank` if the answer has it, else a random
+   one.
 2. Router -> prefill, `POST <call.path>`, headers `call.headers` plus
    `X-data-parallel-rank: <dp_rank>` (pins the prefill to the engine whose id
    decode is given; the reference proxy always sends it). Body is the client's body
@@ -42,7 +42,8 @@ Exchange, field by field:
    `kv_transfer_params: {"do_remote_decode": false, "do_remote_prefill": true,
    "transfer_id": "<id>", "remote_bootstrap_addr": "http://<prefill ip>:<port>",
    "remote_engine_id": "<engine_id of dp_rank>"}`. Decode needs all three of
-   `transfer_id`, `remote_bootstrap_addr` (with `http://`: it appends `/query`) and
+   `transfer_id`, `remote_bootstrap_addr` (with `http://`: it GETs
+   `remote_bootstrap_addr + "/query"` for an engine id it does not know) and
    `remote_engine_id`, or it silently prefills locally.
 
 `transfer_id` is `xfer-<request id>-<8 hex chars>`: traceable in engine logs, fresh
@@ -50,6 +51,19 @@ per attempt so a retry on the same prefill never meets an earlier attempt's stat
 If the prefill fails, decode waits for KV until vLLM's timeout: the router must
 watch the prefill task and cancel decode (vLLM frees unclaimed prefill blocks after
 `VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT`, 480 s).
+
+Other routers speak the same fields. vLLM's reference proxy: `/query` once at start,
+`transfer_id` `xfer-<uuid4>`, prefill task and decode stream at once, prefill body
+without `min_tokens`. vLLM Router 0.1.17 (`--kv-connector mooncake`, observed against
+engine_sim): `/query` on every `--prefill URL BOOTSTRAP_PORT` at start (retrying; it
+will not start without an answer) and engine ids cached per prefill URL and rank
+(rank 0 unless `--intra-node-data-parallel-size` > 1); `transfer_id` `xfer-<uuid4>`;
+prefill first and awaited (`max_tokens: 1`, `min_tokens: 1`, `stream: false`, its
+`kv_transfer_params` exactly the three fields above), then decode with exactly the
+five fields above; both carry `X-Request-Id:
+___prefill_addr_<host:port>___decode_addr_<host:port>_<32 hex>` and `Authorization:
+Bearer <$OPENAI_API_KEY>`, plus serialized defaults of its request schema
+(`logprobs`, `ignore_eos`, `skip_special_tokens`, `separate_reasoning`, ...).
 
 Limits: the bootstrap server is assumed to be on the prefill pod (vLLM's
 `bootstrap_server_address` option can move it elsewhere; that is not supported).
@@ -123,10 +137,11 @@ async def _query(client: PrefillClient, call: PDCall, url: str) -> Any:
     try:
         return await client.get_json(url, {}, deadline)
     except UpstreamError as exc:
+        # Even a 4xx is this pod's fault (the client sent no part of the GET): retry elsewhere.
         raise UpstreamError(
             "bad_bootstrap",
             "The prefill engine's KV bootstrap server could not be queried.",
-            retryable=exc.retryable,
+            retryable=True,
             status=exc.status,
             pod=call.prefill,
             phase="prefill",

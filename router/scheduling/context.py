@@ -74,7 +74,14 @@ class LoadEstimator:
         self.mean_uncached_tokens += alpha * (uncached_tokens - self.mean_uncached_tokens)
 
     def mean_prefill_s(self, cost: CostModel) -> float:
-        return max(cost.min_request_prefill_s, self.mean_uncached_tokens * cost.prefill_s_per_token)
+        """One queued request's prefill: the fixed overhead plus its mean uncached tokens.
+
+        The overhead counts: behind a queue of cache hits it is most of the wait.
+        """
+        return max(
+            cost.min_request_prefill_s,
+            cost.prefill_overhead_s + self.mean_uncached_tokens * cost.prefill_s_per_token,
+        )
 
 
 @dataclass(slots=True)

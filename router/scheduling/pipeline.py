@@ -26,9 +26,9 @@ One decision (`PipelineScheduler.pick`):
 6. Dispatch bookkeeping: scorers see the chosen pod (`picked`: the approximate index
    records the prompt, session affinity remembers the pod), the prefix-cache hit
    counters are bumped for the chosen prefill/aggregated pod, the running mean of
-   uncached tokens is updated, and the decision time and (ttft unit) the predicted TTFT
-   of the choice (+ `prefill_overhead_s` + prompt tokens x `transfer_s_per_token`) are
-   observed.
+   uncached tokens is updated (by profiles with a prefix scorer only), and the decision
+   time and (ttft unit) the predicted TTFT of the choice (+ `prefill_overhead_s` + prompt
+   tokens x `transfer_s_per_token`) are observed.
 """
 
 from __future__ import annotations
@@ -433,6 +433,11 @@ class PipelineScheduler:
             if reach:
                 metrics.hits["precise"].inc(reach)
             cached = (local + report.store_factor * (reach - local)) / report.precise_total
+        if report.approx_depths is None and report.precise_local is None:
+            # No prefix scorer: what this pod has cached is unknown, and counting the whole
+            # prompt as uncached would inflate the mean prefill a later prefix-aware
+            # profile (after a reload) starts from, so it would spread away from its hits.
+            return
         tokens = ctx.prompt.token_count()
         uncached = tokens * (1.0 - cached) if cached is not None else float(tokens)
         self.deps.estimator.observe(uncached, ctx.cost.ewma_alpha)

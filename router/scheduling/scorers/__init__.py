@@ -11,6 +11,7 @@ from router.scheduling.scorers.precise_prefix_cache import PrecisePrefixCacheSco
 from router.scheduling.scorers.prefix_cache import PrefixCacheScorer
 from router.scheduling.scorers.queue_depth import QueueScorer
 from router.scheduling.scorers.random_score import RandomScorer
+from router.scheduling.scorers.round_robin import RoundRobinScorer
 from router.scheduling.scorers.session_affinity import SessionAffinityScorer
 
 SCORERS: Final[dict[str, type[Scorer]]] = {
@@ -23,6 +24,7 @@ SCORERS: Final[dict[str, type[Scorer]]] = {
         KVCacheUsageScorer,
         SessionAffinityScorer,
         RandomScorer,
+        RoundRobinScorer,
     )
 }
 
@@ -36,6 +38,7 @@ __all__ = [
     "PrefixCacheScorer",
     "QueueScorer",
     "RandomScorer",
+    "RoundRobinScorer",
     "Scorer",
     "SessionAffinityScorer",
 ]

@@ -5,6 +5,10 @@ a raw ASGI stream; see ENGINEERING.md). It reads the body, validates it, and han
 the `Proxy` while a watcher listens on `receive()` for the client going away: uvicorn
 reports a disconnect only there, and on one the request's task is cancelled, which
 cancels prefill and decode upstream and releases the in-flight counters.
+
+Before the body is read a data request passes the drain check, the header limits and the
+API key; after parsing, admission control (when bounded). With an admin port, `/metrics`,
+`/healthz` and `/readyz` move to a FastAPI app of their own (`build_ops_app`).
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from fastapi import FastAPI, Response
+from fastapi import FastAPI, Request, Response
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -24,10 +29,13 @@ from router.proxy import Responder
 from router.request import (
     CHAT_PATH,
     COMPLETIONS_PATH,
-    MAX_BODY_BYTES,
+    ParsedRequest,
     body_too_large,
+    openapi_paths,
     parse_request,
 )
+from router.resilience.drain import shutting_down
+from router.security.limits import read_headers
 from router.state import AppState
 
 log = logging.getLogger("pdgate.app")
@@ -46,7 +54,9 @@ class PDGateApp:
 
     def __init__(self, state: AppState) -> None:
         self.state = state
-        self.control = build_control_plane(state)
+        separate_ops = state.config.security.admin_port is not None
+        self.control = build_control_plane(state, ops=not separate_ops)
+        self.ops = build_ops_app(state) if separate_ops else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -55,6 +65,13 @@ class PDGateApp:
         elif kind == "lifespan":
             await self._lifespan(receive, send)
         else:
+            if kind == "http":
+                limits = self.state.security.config
+                try:
+                    read_headers(scope["headers"], limits.max_headers, limits.max_header_bytes)
+                except APIError as exc:
+                    await Responder(send).error(exc)
+                    return
             await self.control(scope, receive, send)
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
@@ -77,18 +94,29 @@ class PDGateApp:
         began = time.perf_counter()
         out = Responder(send)
         model = "_unknown"
+        state = self.state
+        drain = state.resilience.drain
+        drain.enter()
         try:
+            if drain.draining:
+                raise shutting_down()
             if scope["method"] != "POST":
                 raise method_not_allowed(scope["method"])
-            raw = await _read_body(receive)
+            limits = state.security.config
+            headers = read_headers(scope["headers"], limits.max_headers, limits.max_header_bytes)
+            if state.security.api_keys is not None:
+                state.security.api_keys.check(headers.get("authorization"))
+            raw = await _read_body(receive, limits.max_body_bytes)
             if raw is None:
                 return  # the client left before sending its body
-            parsed = parse_request(scope["path"], raw)
-            headers = {k.decode("latin-1").lower(): v.decode("latin-1")
-                       for k, v in scope["headers"]}
-            if parsed.model in self.state.view.snapshot.routes_by_model:
+            parsed = parse_request(scope["path"], raw, limits.max_body_bytes)
+            if parsed.model in state.view.snapshot.routes_by_model:
                 model = parsed.model  # known names only: a client cannot grow label sets
-            await _until_disconnect(self.state.proxy.serve(parsed, headers, out), receive)
+            if state.resilience.admission.enabled:
+                work = self._admitted(parsed, headers, out, model)
+            else:
+                work = state.proxy.serve(parsed, headers, out)
+            await _until_disconnect(work, receive)
         except APIError as exc:
             if not out.started:
                 await out.error(exc)
@@ -99,16 +127,29 @@ class PDGateApp:
             if not out.started:
                 await out.error(APIError(500, "Internal error.", type="internal_error"))
         finally:
-            self.state.metrics.request_done(
+            drain.leave()
+            state.metrics.request_done(
                 model, out.status or CLIENT_CLOSED, time.perf_counter() - began
             )
+
+    async def _admitted(
+        self, parsed: ParsedRequest, headers: dict[str, str], out: Responder, model: str
+    ) -> None:
+        """Serve once admission control lets the request in (or refuse it with a 503)."""
+        admission = self.state.resilience.admission
+        if not admission.try_enter(model):
+            await admission.wait(model)
+        try:
+            await self.state.proxy.serve(parsed, headers, out)
+        finally:
+            admission.leave(model)
 
 
 class ClientGone(Exception):
     """The client disconnected; the request was cancelled upstream."""
 
 
-async def _read_body(receive: Receive) -> bytes | None:
+async def _read_body(receive: Receive, limit: int) -> bytes | None:
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -117,8 +158,8 @@ async def _read_body(receive: Receive) -> bytes | None:
             return None
         chunk = message.get("body", b"")
         size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise body_too_large()
+        if size > limit:
+            raise body_too_large(limit)
         chunks.append(chunk)
         if not message.get("more_body", False):
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
@@ -151,12 +192,39 @@ async def _wait_disconnect(receive: Receive) -> None:
         pass
 
 
-def build_control_plane(state: AppState) -> FastAPI:
-    """Models, health, readiness and metrics: cheap endpoints, framework welcome."""
+def build_control_plane(state: AppState, ops: bool = True) -> FastAPI:
+    """Models, health, readiness and metrics: cheap endpoints, framework welcome.
+
+    The OpenAPI document also describes the data-path endpoints (served by `PDGateApp`
+    before FastAPI sees them), so API tooling and schemathesis see the whole API.
+    """
     app = FastAPI(title="pdgate", version="0.1.0")
 
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> Response:
+        return Response(exc.body(), status_code=exc.status, headers=exc.headers,
+                        media_type="application/json")
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            paths, components = openapi_paths()
+            schema.setdefault("paths", {}).update(paths)
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(components)
+            if state.security.api_keys is not None:
+                schema["components"]["securitySchemes"] = {
+                    "bearer": {"type": "http", "scheme": "bearer"}
+                }
+                schema["security"] = [{"bearer": []}]
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
+    async def models(request: Request) -> dict[str, Any]:
+        if state.security.api_keys is not None:
+            state.security.api_keys.check(request.headers.get("authorization"))
         created = int(state.started_at)
         return {
             "object": "list",
@@ -166,6 +234,20 @@ def build_control_plane(state: AppState) -> FastAPI:
             ],
         }
 
+    if ops:
+        add_ops_routes(app, state)
+    return app
+
+
+def build_ops_app(state: AppState) -> FastAPI:
+    """The admin port's app: metrics and probes only, apart from client traffic."""
+    app = FastAPI(title="pdgate-admin", version="0.1.0", openapi_url=None, docs_url=None,
+                  redoc_url=None)
+    add_ops_routes(app, state)
+    return app
+
+
+def add_ops_routes(app: FastAPI, state: AppState) -> None:
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
@@ -182,5 +264,3 @@ def build_control_plane(state: AppState) -> FastAPI:
     async def metrics() -> Response:
         state.refresh_gauges()
         return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
-
-    return app

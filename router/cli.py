@@ -7,6 +7,11 @@ import logging
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from router.resilience.config import ResilienceConfig
+    from router.security.config import SecurityConfig
 
 DEFAULT_PORT = 8080
 DEMO_MODEL = "deepseek_v4"
@@ -29,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--host", default="0.0.0.0")
     serve.add_argument("--port", type=int, default=DEFAULT_PORT)
     serve.add_argument("--log-level", default="info")
+    _add_reliability_flags(serve)
 
     for name, text in (("up", "run a local simulated cluster"), ("demo", "send the example")):
         command = commands.add_parser(name, help=text)
@@ -53,32 +59,117 @@ def _exit_on_signal(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
+def _add_reliability_flags(serve: argparse.ArgumentParser) -> None:
+    """Flags of `router.resilience` and `router.security` (defaults in their configs)."""
+    from router.resilience.config import ResilienceConfig
+    from router.security.config import SecurityConfig
 
+    r, s = ResilienceConfig(), SecurityConfig()
+    group = serve.add_argument_group("reliability")
+    add = group.add_argument
+    add("--outlier-failures", type=int, default=r.consecutive_failures,
+        help="failures in a row that eject a pod (0: no passive ejection)")
+    add("--outlier-base-ejection", type=float, default=r.base_ejection_s,
+        help="first ejection, seconds (doubles while the pod keeps failing)")
+    add("--outlier-max-ejection", type=float, default=r.max_ejection_s,
+        help="longest ejection, seconds")
+    add("--health-check-interval", type=float, default=r.health_interval_s,
+        help="seconds between active health checks of every pod (0: off)")
+    add("--health-check-timeout", type=float, default=r.health_timeout_s)
+    add("--health-check-path", default=r.health_path)
+    add("--unhealthy-threshold", type=int, default=r.unhealthy_threshold,
+        help="failed health checks in a row that eject a pod")
+    add("--max-inflight", type=int, default=r.max_inflight,
+        help="requests in flight at once (0: unbounded)")
+    add("--max-inflight-per-model", type=int, default=r.max_inflight_per_model,
+        help="requests in flight at once per model (0: unbounded)")
+    add("--max-queue", type=int, default=r.max_queue,
+        help="requests waiting for admission beyond those bounds (then 503)")
+    add("--queue-timeout", type=float, default=r.queue_timeout_s,
+        help="seconds a request may wait for admission")
+    add("--drain-grace", type=float, default=r.drain_grace_s,
+        help="seconds requests in flight get to finish after SIGTERM")
+    add("--drain-delay", type=float, default=r.drain_delay_s,
+        help="seconds /readyz reports false before the drain wait starts")
+    group = serve.add_argument_group("security")
+    add = group.add_argument
+    add("--api-keys", type=Path,
+        help="file of client API keys (one a line) or a directory of them (a mounted Secret)")
+    add("--api-keys-reload", type=float, default=s.api_keys_reload_s,
+        help="seconds between checks of the API key files for changes")
+    add("--admin-port", type=int, help="serve /metrics, /healthz and /readyz on this port")
+    add("--max-body-bytes", type=int, default=s.max_body_bytes)
+    add("--max-header-bytes", type=int, default=s.max_header_bytes)
+    add("--max-headers", type=int, default=s.max_headers)
+
+
+def _reliability_configs(
+    args: argparse.Namespace,
+) -> tuple[ResilienceConfig, SecurityConfig]:
+    from router.resilience.config import ResilienceConfig
+    from router.security.config import SecurityConfig
+
+    resilience = ResilienceConfig(
+        consecutive_failures=args.outlier_failures,
+        base_ejection_s=args.outlier_base_ejection,
+        max_ejection_s=args.outlier_max_ejection,
+        health_interval_s=args.health_check_interval,
+        health_timeout_s=args.health_check_timeout,
+        health_path=args.health_check_path,
+        unhealthy_threshold=args.unhealthy_threshold,
+        max_inflight=args.max_inflight,
+        max_inflight_per_model=args.max_inflight_per_model,
+        max_queue=args.max_queue,
+        queue_timeout_s=args.queue_timeout,
+        drain_grace_s=args.drain_grace,
+        drain_delay_s=args.drain_delay,
+    )
+    security = SecurityConfig(
+        api_keys=args.api_keys,
+        api_keys_reload_s=args.api_keys_reload,
+        admin_port=args.admin_port,
+        max_body_bytes=args.max_body_bytes,
+        max_header_bytes=args.max_header_bytes,
+        max_headers=args.max_headers,
+    )
+    return resilience, security
+
+
+def _serve(args: argparse.Namespace) -> int:
     from router.app import PDGateApp
+    from router.resilience.runner import DrainingRunner
     from router.state import AppState, RouterConfig
 
+    try:
+        resilience, security = _reliability_configs(args)
+    except ValueError as exc:
+        print(f"pdgate serve: {exc}", file=sys.stderr)
+        return 2
     config = RouterConfig(
         config_dir=args.config,
         kubernetes=args.kubernetes,
         namespace=None if args.all_namespaces else args.namespace,
         kubeconfig=args.kubeconfig,
         scheduler_config=args.scheduler_config,
+        resilience=resilience,
+        security=security,
     )
-    app = PDGateApp(AppState(config))
-    uvicorn.run(
+    try:
+        state = AppState(config)
+    except OSError as exc:  # e.g. the API key file cannot be read
+        print(f"pdgate serve: {exc}", file=sys.stderr)
+        return 2
+    app = PDGateApp(state)
+    return DrainingRunner(
         app,
+        app.ops,
         host=args.host,
         port=args.port,
-        loop="uvloop",
-        http="httptools",
-        lifespan="on",
+        admin_port=args.admin_port,
         log_level=args.log_level,
-        access_log=False,
-        timeout_graceful_shutdown=30,
-    )
-    return 0
+        drain=state.resilience.drain,
+        config=config.resilience,
+    ).run()
 
 
 def _up(args: argparse.Namespace) -> int:

@@ -6,9 +6,19 @@ itself once. Messages never contain internal addresses or upstream bodies.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import orjson
+
+#: Longest engine message passed on to a client (the rest is cut).
+MAX_UPSTREAM_MESSAGE_CHARS = 512
+_ADDRESS = re.compile(
+    r"[a-zA-Z][a-zA-Z0-9+.-]*://[^\s'\"]+"  # URLs
+    r"|\b(?:\d{1,3}\.){3}\d{1,3}(?::\d+)?\b"  # IPv4, maybe with a port
+    r"|\[?[0-9a-fA-F:]*::[0-9a-fA-F:]*\]?(?::\d+)?"  # IPv6 with ::
+    r"|\[?(?:[0-9a-fA-F]{1,4}:){7}[0-9a-fA-F]{1,4}\]?(?::\d+)?"  # full IPv6
+)
 
 
 class APIError(Exception):
@@ -99,9 +109,20 @@ def upstream_message(body: bytes) -> str | None:
         return None
     inner = data.get("error")
     if isinstance(inner, dict) and isinstance(inner.get("message"), str):
-        return str(inner["message"])
+        return scrub(str(inner["message"]))
     if isinstance(inner, str):
-        return inner
+        return scrub(inner)
     if isinstance(data.get("message"), str):
-        return str(data["message"])
+        return scrub(str(data["message"]))
     return None
+
+
+def scrub(message: str) -> str | None:
+    """An engine's message made safe for a client: no addresses, no traceback, bounded.
+
+    Returns None when nothing safe is left (the caller then says something generic).
+    """
+    if "Traceback" in message or 'File "' in message:
+        return None
+    cleaned = _ADDRESS.sub("<address>", message).strip()
+    return cleaned[:MAX_UPSTREAM_MESSAGE_CHARS] or None

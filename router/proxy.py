@@ -6,9 +6,13 @@ The flow of one attempt:
               -> open decode -> relay decode's answer to the client
 
 Failures before the first byte reaches the client are retried per the ModelServer's
-trafficPolicy on a freshly picked pair that avoids the failed pod; after the first
-byte a failure ends the stream with an OpenAI error event and `[DONE]`, never a second,
-spliced answer. `trafficPolicy.timeout` bounds the whole request.
+trafficPolicy on a freshly picked pair that avoids the failed pod; a decode that fails
+after its prefill (its KV was not there) gets one fresh prefill on another pair even with
+no retries configured. After the first byte a failure, or a stream that ends without
+`[DONE]`, ends the stream with an OpenAI error event and `[DONE]`, never a second,
+spliced answer. `trafficPolicy.timeout` bounds the whole request. Failures that blame a
+pod feed outlier ejection; a route's `rateLimit` is checked before any pod is picked and
+charged the answer's real output tokens after it.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
@@ -38,10 +43,14 @@ from router.errors import (
 from router.load import InFlight
 from router.metrics import RouterMetrics
 from router.request import ParsedRequest
+from router.resilience.config import ResilienceConfig
+from router.resilience.ejection import OutlierDetector
 from router.routing import ModelNotFound, NoRoute, RouteDecision, resolve
 from router.scheduling import Pick, Scheduler, ScheduleRequest
-from router.upstream import MAX_JSON_BODY_BYTES, Upstream
-from router.view import ClusterView, ServerPods
+from router.security.ratelimit import TokenRateLimiter
+from router.security.usage import StreamUsage, body_completion_tokens
+from router.upstream import MAX_JSON_BODY_BYTES, Upstream, read_body
+from router.view import ClusterView, Endpoint, ServerPods
 
 log = logging.getLogger("pdgate.proxy")
 
@@ -50,6 +59,13 @@ DEFAULT_TIMEOUT_SECONDS = 600.0
 # the client's Authorization unless a ModelServer asks for it) stays at the router.
 FORWARDED_HEADERS = ("accept", "x-data-parallel-rank", "traceparent", "tracestate")
 FORWARD_AUTH_ANNOTATION = "pdgate.io/forward-authorization"
+#: A client's X-Request-Id is kept only if it looks like one (it goes to engines and logs).
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+#: Failures that say nothing about the pod (the client's input, our own config).
+_NOT_THE_PODS_FAULT = frozenset(("bad_config",))
+_DONE = b"data: [DONE]"
+#: How many bytes of a stream's end are kept to check that it ended with `[DONE]`.
+_TAIL = 32
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
@@ -92,6 +108,11 @@ class Attempt:
     headers: dict[str, str]  # toward engines
     client_headers: Mapping[str, str]  # as the client sent them (the scheduler reads these)
     deadline: float
+    track_usage: bool = False  # the route limits output tokens: read the answer's usage
+    usage: StreamUsage | None = None  # the stream's usage watcher (track_usage only)
+    output_tokens: int = 0  # a non-streaming answer's completion tokens (track_usage only)
+    waiting_on: Endpoint | None = None  # the pod whose answer is awaited (blamed on timeout)
+    pick: Pick | None = None  # the pair of the latest attempt
 
 
 class Proxy:
@@ -103,6 +124,9 @@ class Proxy:
         upstream: Upstream,
         metrics: RouterMetrics,
         rng: random.Random | None = None,
+        *,
+        outliers: OutlierDetector | None = None,
+        limiter: TokenRateLimiter | None = None,
     ) -> None:
         self.view = view
         self.scheduler = scheduler
@@ -110,12 +134,16 @@ class Proxy:
         self.upstream = upstream
         self.metrics = metrics
         self.rng = rng or random.Random()
+        self.outliers = outliers or OutlierDetector(ResilienceConfig(consecutive_failures=0))
+        self.limiter = limiter
 
     async def serve(
         self, parsed: ParsedRequest, client_headers: Mapping[str, str], out: Responder
     ) -> None:
         """Answer one request, with the decode pod's answer or an OpenAI error."""
-        request_id = client_headers.get("x-request-id") or uuid.uuid4().hex
+        request_id = client_headers.get("x-request-id")
+        if request_id is None or not _REQUEST_ID.fullmatch(request_id):
+            request_id = uuid.uuid4().hex
         try:
             decision = resolve(
                 self.view.snapshot, parsed.model, client_headers, parsed.path, self.rng
@@ -127,6 +155,19 @@ class Proxy:
             await out.error(service_unavailable(f"No route serves model `{parsed.model}`: "
                                                 f"{exc.reason}."), request_id)
             return
+        route = decision.route
+        limit = route.rate_limit
+        track_usage = False
+        if limit is not None and self.limiter is not None:
+            try:
+                await self.limiter.admit(route, parsed)
+            except APIError as exc:
+                await out.error(exc, request_id)
+                return
+            track_usage = bool(limit.output_tokens_per_unit)
+            if track_usage and parsed.stream:
+                options = parsed.body.get("stream_options") or {}
+                parsed.body["stream_options"] = {**options, "include_usage": True}
         server = decision.server.server
         parsed.body["model"] = decision.upstream_model
         try:
@@ -147,6 +188,7 @@ class Proxy:
             headers=_upstream_headers(client_headers, request_id, server.meta.annotations),
             client_headers=client_headers,
             deadline=loop.time() + (server.timeout_s or DEFAULT_TIMEOUT_SECONDS),
+            track_usage=track_usage,
         )
         try:
             async with asyncio.timeout_at(attempt.deadline):
@@ -156,6 +198,11 @@ class Proxy:
             await self._fail(out, gateway_timeout(), request_id)
         except APIError as exc:
             await self._fail(out, exc, request_id)
+        finally:
+            if track_usage and self.limiter is not None:
+                usage = attempt.usage
+                tokens = usage.charged if usage is not None else attempt.output_tokens
+                self.limiter.settle_output(route, tokens)
 
     async def _fail(self, out: Responder, error: APIError, request_id: str) -> None:
         if out.started:
@@ -171,12 +218,15 @@ class Proxy:
             await self._attempt(attempt, server, avoid, out)
             return
         except UpstreamError as exc:
-            if out.started or not exc.retryable or policy.retry_attempts < 1:
+            retries = policy.retry_attempts
+            if retries < 1 and _kv_lost(exc):
+                retries = 1  # the KV was not there: one fresh prefill on another pair
+            if out.started or not exc.retryable or retries < 1:
                 raise _client_error(exc) from None
             self._note_failure(exc, avoid, attempt)
         # Retries only: tenacity stays off the success path (it costs ~20 µs a call).
         retrying = AsyncRetrying(
-            stop=stop_after_attempt(policy.retry_attempts),
+            stop=stop_after_attempt(retries),
             wait=wait_fixed(policy.retry_interval_s),
             retry=retry_if_exception(
                 lambda e: isinstance(e, UpstreamError) and e.retryable and not out.started
@@ -201,6 +251,8 @@ class Proxy:
         pod = exc.pod
         if pod is not None and hasattr(pod, "key"):
             avoid.add(pod.key)
+        if _kv_lost(exc) and attempt.pick is not None and attempt.pick.prefill is not None:
+            avoid.add(attempt.pick.prefill.key)  # its KV went missing: try a whole new pair
         self.metrics.retry(attempt.parsed.model, exc.phase)
         log.info("request %s: retrying after %s in %s", attempt.request_id, exc.reason,
                  exc.phase)
@@ -215,6 +267,7 @@ class Proxy:
             raise service_unavailable(
                 f"No ready pods serve model `{parsed.model}`.", retry_after=1
             )
+        attempt.pick = pick
         for endpoint in pick.endpoints:
             self.inflight.acquire(endpoint)
         prefill_held = pick.prefill
@@ -231,10 +284,31 @@ class Proxy:
             await self._run_pick(attempt, pick, out, release_prefill)
         except UpstreamError as exc:
             self.metrics.upstream_error(exc.reason, exc.phase)
+            self._blame(exc)
+            raise
+        except asyncio.CancelledError:
+            # The request's deadline (not the client) cancelled it: the pod awaited hung.
+            if attempt.waiting_on is not None and (
+                asyncio.get_running_loop().time() >= attempt.deadline
+            ):
+                self.outliers.record_failure(attempt.waiting_on)
             raise
         finally:
             release_prefill()
             self.inflight.release(pick.decode)
+        outliers = self.outliers
+        outliers.record_success(pick.decode)
+        if pick.prefill is not None:
+            outliers.record_success(pick.prefill)
+
+    def _blame(self, exc: UpstreamError) -> None:
+        """Count a failure against the pod that caused it, if it was the pod's doing."""
+        pod = exc.pod
+        if not isinstance(pod, Endpoint) or exc.reason in _NOT_THE_PODS_FAULT:
+            return
+        if exc.status is not None and 400 <= exc.status < 500 and not exc.retryable:
+            return  # the engine refused the client's input: the pod is fine
+        self.outliers.record_failure(pod)
 
     async def _run_pick(
         self, attempt: Attempt, pick: Pick, out: Responder, release_prefill: Callable[[], None]
@@ -243,6 +317,7 @@ class Proxy:
         handoff: Handoff | None = None
         started = time.perf_counter()
         if pick.prefill is not None:
+            attempt.waiting_on = pick.prefill
             call = PDCall(
                 path=parsed.path,
                 body=parsed.body,
@@ -259,6 +334,7 @@ class Proxy:
                 self.metrics.phase_done("prefill", time.perf_counter() - started)
         decode_body = parsed.body if handoff is None else handoff.decode_body
         phase = "aggregated" if pick.prefill is None else "decode"
+        attempt.waiting_on = pick.decode
         decode_started = time.perf_counter()
         try:
             response = await self._open_decode(attempt, pick, decode_body, handoff)
@@ -312,19 +388,33 @@ class Proxy:
             headers.append((b"x-pdgate-prefill-pod", pick.prefill.pod_name.encode()))
         if not parsed.stream:
             try:
-                raw = await response.content.read(MAX_JSON_BODY_BYTES)
+                raw = await read_body(response, MAX_JSON_BODY_BYTES)
             except (aiohttp.ClientError, asyncio.IncompleteReadError):
                 raise UpstreamError(
                     "disconnect", "The engine dropped the response.", retryable=True,
                     pod=pick.decode, phase="decode",
                 ) from None
+            if attempt.track_usage:
+                attempt.output_tokens = body_completion_tokens(raw) or 0
             await out.start(response.status, headers)
             await out.body(raw)
             return
+        usage = None
+        if attempt.track_usage:
+            usage = attempt.usage = StreamUsage(hide=not parsed.include_usage)
         began = time.perf_counter()
         first = True
+        end = b""  # the stream's last bytes, to check it ended with [DONE]
         try:
             async for chunk in response.content.iter_any():
+                if len(chunk) >= _TAIL:
+                    end = chunk
+                else:
+                    end = (end + chunk)[-_TAIL:]
+                if usage is not None:
+                    chunk = usage.feed(chunk)
+                    if not chunk:
+                        continue
                 if first:
                     await out.start(response.status, headers)
                     self.metrics.first_byte(parsed.model, time.perf_counter() - began)
@@ -336,13 +426,27 @@ class Proxy:
                     "disconnect", "The engine dropped the stream.", retryable=True,
                     pod=pick.decode, phase="decode",
                 ) from None
-            self.metrics.upstream_error("disconnect", "decode")
-            await out.body(bad_gateway("The engine dropped the stream.").sse_event(), more=True)
+            await self._cut_short(pick, out, "disconnect", "The engine dropped the stream.")
+            return
+        if usage is not None and (tail := usage.finish()):
+            if not out.started:
+                await out.start(response.status, headers)
+            await out.body(tail, more=True)
         if not out.started:
             raise UpstreamError(
                 "empty_response", "The engine closed the stream without data.",
                 retryable=True, pod=pick.decode, phase="decode",
             )
+        if not end.rstrip().endswith(_DONE):
+            await self._cut_short(pick, out, "truncated", "The engine ended the stream early.")
+            return
+        await out.body(b"")
+
+    async def _cut_short(self, pick: Pick, out: Responder, reason: str, message: str) -> None:
+        """End a stream the engine broke off: an error event and `[DONE]`, nothing spliced."""
+        self.metrics.upstream_error(reason, "decode")
+        self.outliers.record_failure(pick.decode)
+        await out.body(bad_gateway(message).sse_event(), more=True)
         await out.body(b"")
 
 
@@ -353,6 +457,11 @@ async def _finish_prefill(task: asyncio.Task[Any]) -> None:
         await task
     except (asyncio.CancelledError, UpstreamError):
         pass
+
+
+def _kv_lost(exc: UpstreamError) -> bool:
+    """Whether decode failed for want of KV (a 503 from decode after its prefill ran)."""
+    return exc.phase == "decode" and exc.status == 503
 
 
 def _client_error(exc: UpstreamError) -> APIError:

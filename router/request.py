@@ -17,6 +17,10 @@ from router.errors import APIError, bad_request
 MAX_BODY_BYTES = 8 * 1024 * 1024
 MAX_MESSAGES = 2048
 MAX_TOKENS_LIMIT = 1_000_000
+#: Deepest JSON nesting accepted (the body object is depth 1). orjson parses up to 1024
+#: levels but writes only 254, so a deeper body would fail when forwarded.
+MAX_NESTING_DEPTH = 32
+MAX_MODEL_CHARS = 256
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
@@ -33,28 +37,36 @@ class ParsedRequest:
     include_usage: bool
 
 
-def body_too_large() -> APIError:
+def body_too_large(limit: int = MAX_BODY_BYTES) -> APIError:
     return APIError(
         413,
-        f"Request body exceeds {MAX_BODY_BYTES} bytes.",
+        f"Request body exceeds {limit} bytes.",
         code="request_too_large",
     )
 
 
-def parse_request(path: str, raw: bytes) -> ParsedRequest:
-    """Validate `raw` for the endpoint at `path`; raise `APIError` (400/413) if bad."""
-    if len(raw) > MAX_BODY_BYTES:
-        raise body_too_large()
+def parse_request(path: str, raw: bytes, max_body_bytes: int = MAX_BODY_BYTES) -> ParsedRequest:
+    """Validate `raw` for the endpoint at `path`; raise `APIError` (400/413) if bad.
+
+    orjson refuses bytes that are not UTF-8 and lone surrogate escapes, so every string
+    in a parsed body can be written out again.
+    """
+    if len(raw) > max_body_bytes:
+        raise body_too_large(max_body_bytes)
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise bad_request(f"The body is not valid JSON: {exc.msg}.", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request("The body must be a JSON object.", code="invalid_json")
+    _check_depth(body)
 
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("`model` is required and must be a non-empty string.", param="model")
+    if len(model) > MAX_MODEL_CHARS:
+        raise bad_request(f"`model` may be at most {MAX_MODEL_CHARS} characters.",
+                          param="model")
 
     if path == CHAT_PATH:
         _check_messages(body.get("messages"))
@@ -74,6 +86,27 @@ def parse_request(path: str, raw: bytes) -> ParsedRequest:
             raise bad_request("`stream_options` must be an object.", param="stream_options")
         include_usage = options.get("include_usage") is True
     return ParsedRequest(path, body, model, stream, include_usage)
+
+
+def _check_depth(body: dict[str, Any]) -> None:
+    if not _nests_within(body, 1):
+        raise bad_request(
+            f"The body nests deeper than {MAX_NESTING_DEPTH} levels.", code="invalid_json"
+        )
+
+
+def _nests_within(value: dict[str, Any] | list[Any], depth: int) -> bool:
+    """Whether `value` (at `depth`) nests no deeper than MAX_NESTING_DEPTH.
+
+    A walk over containers only: about 1 µs for a typical chat body, whatever its text size
+    (counting brackets in the raw bytes costs several times that).
+    """
+    if depth > MAX_NESTING_DEPTH:
+        return False
+    for child in value.values() if type(value) is dict else value:
+        if isinstance(child, dict | list) and not _nests_within(child, depth + 1):
+            return False
+    return True
 
 
 def _check_messages(messages: object) -> None:
@@ -105,3 +138,103 @@ def _check_token_count(body: dict[str, Any], name: str) -> None:
         raise bad_request(f"`{name}` must be an integer.", param=name)
     if not 1 <= value <= MAX_TOKENS_LIMIT:
         raise bad_request(f"`{name}` must be between 1 and {MAX_TOKENS_LIMIT}.", param=name)
+
+
+def openapi_paths() -> tuple[dict[str, Any], dict[str, Any]]:
+    """OpenAPI path items and component schemas of the data-path endpoints.
+
+    They describe what `parse_request` accepts (the bounds above), so a schema-driven
+    fuzzer exercises the raw-ASGI endpoints FastAPI never sees.
+    """
+    ref = "#/components/schemas/"
+    token_count = {"type": "integer", "minimum": 1, "maximum": MAX_TOKENS_LIMIT}
+    common: dict[str, Any] = {
+        "model": {"type": "string", "minLength": 1, "maxLength": MAX_MODEL_CHARS},
+        "stream": {"type": "boolean"},
+        "stream_options": {
+            "type": "object", "properties": {"include_usage": {"type": "boolean"}},
+        },
+        "max_tokens": token_count,
+        "max_completion_tokens": token_count,
+        "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+    }
+    message = {
+        "type": "object",
+        "required": ["role"],
+        "properties": {
+            "role": {"type": "string", "enum": ["system", "user", "assistant", "tool"]},
+            "content": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+        },
+    }
+    components: dict[str, Any] = {
+        "ChatCompletionRequest": {
+            "type": "object",
+            "required": ["model", "messages"],
+            "properties": {
+                **common,
+                "messages": {"type": "array", "minItems": 1, "maxItems": MAX_MESSAGES,
+                             "items": message},
+            },
+        },
+        "CompletionRequest": {
+            "type": "object",
+            "required": ["model", "prompt"],
+            "properties": {
+                **common,
+                "prompt": {"anyOf": [
+                    {"type": "string"},
+                    {"type": "array", "minItems": 1, "items": {"type": "string"}},
+                    {"type": "array", "minItems": 1,
+                     "items": {"type": "integer", "minimum": 0, "maximum": 2**31 - 1}},
+                ]},
+            },
+        },
+        "Error": {
+            "type": "object",
+            "required": ["error"],
+            "properties": {"error": {
+                "type": "object",
+                "required": ["message", "type", "param", "code"],
+                "properties": {
+                    "message": {"type": "string"},
+                    "type": {"type": "string"},
+                    "param": {"type": ["string", "null"]},
+                    "code": {"type": ["string", "null"]},
+                },
+            }},
+        },
+    }
+    error = {"content": {"application/json": {"schema": {"$ref": ref + "Error"}}}}
+    answers: dict[str, Any] = {
+        "200": {
+            "description": "The engine's answer (JSON, or server-sent events when streaming)",
+            "content": {"application/json": {"schema": {"type": "object"}},
+                        "text/event-stream": {"schema": {"type": "string"}}},
+        },
+        **{
+            str(status): {"description": text, **error}
+            for status, text in (
+                (400, "Invalid request"), (401, "Missing or wrong API key"),
+                (404, "Unknown model"), (413, "Body too large"),
+                (429, "Token rate limit exceeded"), (431, "Headers too large"),
+                (502, "The engine failed"), (503, "No capacity or shutting down"),
+                (504, "The engine did not answer in time"),
+            )
+        },
+    }
+
+    def operation(summary: str, schema: str) -> dict[str, Any]:
+        return {"post": {
+            "summary": summary,
+            "operationId": schema[0].lower() + schema[1:].removesuffix("Request"),
+            "requestBody": {"required": True, "content": {
+                "application/json": {"schema": {"$ref": ref + schema}}
+            }},
+            "responses": answers,
+        }}
+
+    paths = {
+        CHAT_PATH: operation("Create a chat completion", "ChatCompletionRequest"),
+        COMPLETIONS_PATH: operation("Create a completion", "CompletionRequest"),
+    }
+    return paths, components

@@ -14,8 +14,10 @@ from prometheus_client import CollectorRegistry
 from router.load import InFlight
 from router.metrics import RouterMetrics
 from router.proxy import Proxy
+from router.resilience import Resilience, ResilienceConfig
 from router.scheduling import Scheduler
 from router.scheduling.runtime import build_scheduler
+from router.security import Security, SecurityConfig
 from router.sources.base import Source
 from router.upstream import Upstream
 from router.view import ClusterView, Endpoint, ServerPods, Snapshot
@@ -33,6 +35,8 @@ class RouterConfig:
     kubeconfig: str | None = None
     scheduler_config: Path | None = None
     extra_sources: list[Source] = field(default_factory=list)
+    resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
 
 
 class AppState:
@@ -47,9 +51,16 @@ class AppState:
             config.scheduler_config, self.inflight, self.view, self.registry
         )
         self.scheduler: Scheduler = self.scheduler_runtime.scheduler
-        self.proxy = Proxy(self.view, self.scheduler, self.inflight, self.upstream, self.metrics)
+        self.resilience = Resilience(
+            config.resilience, self.view, self.upstream.probe, self.registry
+        )
+        self.scheduler_runtime.set_ejection_hook(self.resilience.is_ejected)
+        self.security = Security(config.security, self.view, self.registry)
+        self.proxy = Proxy(
+            self.view, self.scheduler, self.inflight, self.upstream, self.metrics,
+            outliers=self.resilience.outliers, limiter=self.security.rate_limiter,
+        )
         self.sources: list[Source] = list(config.extra_sources)
-        self.draining = False
         self.started_at = time.time()
         self._tasks: list[asyncio.Task[None]] = []
         self.view.subscribe(self._on_snapshot)
@@ -62,6 +73,10 @@ class AppState:
         }
         self.inflight.forget_absent(present)
         self.metrics.ambiguous_pods.set(snapshot.ambiguous_pods)
+
+    @property
+    def draining(self) -> bool:
+        return self.resilience.drain.draining
 
     @property
     def synced(self) -> bool:
@@ -92,6 +107,8 @@ class AppState:
         for source in self.sources:
             self._tasks.append(asyncio.create_task(source.run(self.view)))
         self._tasks.append(asyncio.create_task(self.scheduler_runtime.run()))
+        self._tasks.append(asyncio.create_task(self.resilience.run()))
+        self._tasks.append(asyncio.create_task(self.security.run()))
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -99,6 +116,7 @@ class AppState:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        await self.security.close()
         await self.upstream.close()
 
 

@@ -117,6 +117,16 @@ class Upstream:
             response.release()
         return _json_object(raw, pod, "prefill")
 
+    async def probe(self, url: str, timeout_s: float) -> bool:
+        """GET `url` (a pod's health endpoint); True on a 2xx answer within `timeout_s`."""
+        try:
+            async with self.session.get(
+                url, timeout=aiohttp.ClientTimeout(total=timeout_s)
+            ) as response:
+                return 200 <= response.status < 300
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            return False
+
     async def get_json(self, url: str, headers: Mapping[str, str], deadline: float) -> Any:
         """A small GET answered by JSON (e.g. a prefill engine's bootstrap `/query`)."""
         timeout = _remaining(deadline, "prefill", None)
@@ -140,6 +150,24 @@ class Upstream:
                 "bad_response", "The engine answered with invalid JSON.", retryable=True,
                 phase="prefill",
             ) from None
+
+
+async def read_body(response: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The whole body, up to `limit` bytes (`content.read(n)` may return only part of it).
+
+    Raises `aiohttp.ClientPayloadError` past the limit, like any other broken body.
+    """
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        block = await response.content.readany()
+        if not block:
+            break
+        size += len(block)
+        if size > limit:
+            raise aiohttp.ClientPayloadError(f"response body over {limit} bytes")
+        chunks.append(block)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def status_error(status: int, raw: bytes, pod: PodAddress | None, phase: str) -> UpstreamError:

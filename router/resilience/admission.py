@@ -1,0 +1,134 @@
+"""Admission control: a global and a per-model bound on requests in flight, a bounded queue.
+
+uvicorn's own `--limit-concurrency` answers a plain-text 503, so the bound lives here and
+answers an OpenAI error with `Retry-After`. A request that finds no room waits in one FIFO
+queue of at most `max_queue` requests for up to `queue_timeout_s`; a full queue or a wait
+that runs out is a 503. A waiter for a model at its own bound does not hold up waiters of
+other models. The fast path (room, nobody waiting) is two integer checks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from router.errors import APIError, service_unavailable
+from router.resilience.config import ResilienceConfig
+
+
+@dataclass(slots=True)
+class _Waiter:
+    model: str
+    future: asyncio.Future[None]
+
+
+class Admission:
+    """Counts admitted requests; see the module docstring."""
+
+    def __init__(self, config: ResilienceConfig, registry: CollectorRegistry | None = None
+                 ) -> None:
+        self.max_inflight = config.max_inflight
+        self.max_per_model = config.max_inflight_per_model
+        self.max_queue = config.max_queue
+        self.queue_timeout_s = config.queue_timeout_s
+        self.enabled = self.max_inflight > 0 or self.max_per_model > 0
+        self.inflight = 0
+        #: Admitted requests per model; models are names the view knows (bounded by it).
+        self.per_model: dict[str, int] = {}
+        self._waiters: deque[_Waiter] = deque()
+        self._retry_after = max(1, math.ceil(self.queue_timeout_s))
+        self._rejected: Counter | None = None
+        self._queued: Gauge | None = None
+        if registry is not None:
+            self._rejected = Counter(
+                "pdgate_admission_rejected", "Requests refused by admission control, by why.",
+                ["reason"], registry=registry,
+            )
+            self._queued = Gauge(
+                "pdgate_admission_queue", "Requests waiting for admission.", registry=registry
+            )
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    def _fits(self, model: str) -> bool:
+        if self.max_inflight and self.inflight >= self.max_inflight:
+            return False
+        return not (self.max_per_model and self.per_model.get(model, 0) >= self.max_per_model)
+
+    def _take(self, model: str) -> None:
+        self.inflight += 1
+        if self.max_per_model:
+            self.per_model[model] = self.per_model.get(model, 0) + 1
+
+    def try_enter(self, model: str) -> bool:
+        """Admit at once if there is room and nobody is waiting ahead."""
+        if self._waiters or not self._fits(model):
+            return False
+        self._take(model)
+        return True
+
+    async def wait(self, model: str) -> None:
+        """Queue for a slot; raises a 503 `APIError` when the queue is full or time runs out."""
+        if len(self._waiters) >= self.max_queue:
+            raise self._refuse("queue_full", "The server is at capacity; retry later.")
+        waiter = _Waiter(model, asyncio.get_running_loop().create_future())
+        self._waiters.append(waiter)
+        self._gauge()
+        try:
+            async with asyncio.timeout(self.queue_timeout_s):
+                await waiter.future
+        except TimeoutError:
+            self._drop(waiter)
+            raise self._refuse("queue_timeout", "The server is at capacity; retry later.") \
+                from None
+        except asyncio.CancelledError:
+            if waiter.future.done() and not waiter.future.cancelled():
+                self.leave(model)  # admitted as we were cancelled: pass the slot on
+            else:
+                self._drop(waiter)
+            raise
+
+    def leave(self, model: str) -> None:
+        """Release one admitted request and wake whoever now fits."""
+        self.inflight -= 1
+        if self.max_per_model:
+            left = self.per_model.get(model, 0) - 1
+            if left > 0:
+                self.per_model[model] = left
+            else:
+                self.per_model.pop(model, None)
+        if self._waiters:
+            self._wake()
+
+    def _wake(self) -> None:
+        for waiter in list(self._waiters):
+            if self.max_inflight and self.inflight >= self.max_inflight:
+                break
+            if waiter.future.done():
+                self._waiters.remove(waiter)
+                continue
+            if self._fits(waiter.model):
+                self._waiters.remove(waiter)
+                self._take(waiter.model)
+                waiter.future.set_result(None)
+        self._gauge()
+
+    def _drop(self, waiter: _Waiter) -> None:
+        if waiter in self._waiters:
+            self._waiters.remove(waiter)
+        self._gauge()
+
+    def _refuse(self, reason: str, message: str) -> APIError:
+        if self._rejected is not None:
+            self._rejected.labels(reason=reason).inc()
+        return service_unavailable(message, retry_after=self._retry_after)
+
+    def _gauge(self) -> None:
+        if self._queued is not None:
+            self._queued.set(len(self._waiters))

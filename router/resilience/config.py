@@ -1,0 +1,51 @@
+"""The knobs of the reliability layer, filled from `pdgate serve` flags.
+
+Defaults suit a cluster: a pod is ejected after five failures in a row and probed back
+after 5 s (doubling while it keeps failing, up to 2 minutes); every pod's `/health` is
+checked every 5 s; admission control is off until a bound is given; a SIGTERM drains for
+up to 30 s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class ResilienceConfig:
+    # Passive outlier ejection (0 consecutive failures turns it off).
+    consecutive_failures: int = 5
+    base_ejection_s: float = 5.0
+    max_ejection_s: float = 120.0
+    #: How often ejected pods whose backoff ran out are probed for readmission.
+    probe_tick_s: float = 0.25
+    # Active health checks (interval 0 turns them off).
+    health_interval_s: float = 5.0
+    health_timeout_s: float = 2.0
+    health_path: str = "/health"
+    #: Failed checks in a row that eject a pod.
+    unhealthy_threshold: int = 2
+    # Admission control (0 = unbounded).
+    max_inflight: int = 0
+    max_inflight_per_model: int = 0
+    max_queue: int = 0
+    queue_timeout_s: float = 5.0
+    # Graceful drain on SIGTERM.
+    drain_grace_s: float = 30.0
+    #: Time `/readyz` stays false before the wait for requests starts (lets load
+    #: balancers notice); requests still arriving meanwhile are refused.
+    drain_delay_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("consecutive_failures", "unhealthy_threshold", "max_inflight",
+                     "max_inflight_per_model", "max_queue"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must not be negative")
+        for name in ("base_ejection_s", "max_ejection_s", "health_interval_s",
+                     "health_timeout_s", "queue_timeout_s", "drain_grace_s", "drain_delay_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must not be negative")
+        if self.probe_tick_s <= 0:
+            raise ValueError("probe_tick_s must be positive")
+        if not self.health_path.startswith("/"):
+            raise ValueError("health_path must start with /")

@@ -1,0 +1,122 @@
+"""Active health checks: GET each pod's health endpoint, and probe ejected pods back in.
+
+Two loops share one `OutlierDetector`. The sweep checks every pod in the view each
+`health_interval_s`; `unhealthy_threshold` failed checks in a row eject the pod. The
+readmission loop probes ejected pods whose backoff is over (passive or active ejections
+alike) and reports the result, which readmits the pod or ejects it for longer. Probes run
+at most `MAX_CONCURRENT_PROBES` at a time so a large cluster cannot flood the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+from prometheus_client import CollectorRegistry, Counter
+
+from router.resilience.config import ResilienceConfig
+from router.resilience.ejection import OutlierDetector
+from router.view import ClusterView, Endpoint, Snapshot
+
+log = logging.getLogger("pdgate.health")
+
+MAX_CONCURRENT_PROBES = 32
+
+Probe = Callable[[str, float], Awaitable[bool]]
+
+
+def snapshot_endpoints(snapshot: Snapshot) -> dict[str, Endpoint]:
+    """Every pod of every server in `snapshot`, by key."""
+    pods: dict[str, Endpoint] = {}
+    for server in snapshot.servers.values():
+        for endpoint in server.aggregated:
+            pods[endpoint.key] = endpoint
+        for group in server.groups:
+            for endpoint in group.prefill:
+                pods[endpoint.key] = endpoint
+            for endpoint in group.decode:
+                pods[endpoint.key] = endpoint
+    return pods
+
+
+class HealthChecker:
+    """The sweep and the readmission probes (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: ResilienceConfig,
+        view: ClusterView,
+        detector: OutlierDetector,
+        probe: Probe,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self._config = config
+        self._view = view
+        self._detector = detector
+        self._probe = probe
+        self._limit = asyncio.Semaphore(MAX_CONCURRENT_PROBES)
+        #: Failed active checks in a row, per pod key (pods in the view only).
+        self._failures: dict[str, int] = {}
+        self._checks = (
+            Counter("pdgate_health_checks", "Active health checks of pods, by result.",
+                    ["result"], registry=registry)
+            if registry is not None else None
+        )
+
+    async def run(self) -> None:
+        """Run both loops until cancelled."""
+        async with asyncio.TaskGroup() as group:
+            group.create_task(self._readmit_loop())
+            if self._config.health_interval_s > 0:
+                group.create_task(self._sweep_loop())
+
+    async def _readmit_loop(self) -> None:
+        while True:
+            try:
+                await self.readmit()
+            except Exception:  # a bug here must not leave pods ejected for good
+                log.exception("readmission probes failed; retrying")
+            await asyncio.sleep(self._config.probe_tick_s)
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            try:
+                await self.sweep()
+            except Exception:
+                log.exception("health check sweep failed; retrying")
+            await asyncio.sleep(self._config.health_interval_s)
+
+    async def readmit(self) -> None:
+        """Probe every ejected pod whose backoff is over, and report the results."""
+        due = self._detector.due()
+        if due:
+            results = await asyncio.gather(*(self._check(pod) for pod in due))
+            for pod, ok in zip(due, results, strict=True):
+                self._detector.probe_result(pod, ok)
+
+    async def sweep(self) -> None:
+        """Check every admitted pod once."""
+        pods = snapshot_endpoints(self._view.snapshot)
+        self._failures = {k: n for k, n in self._failures.items() if k in pods}
+        checked = [pod for key, pod in pods.items() if not self._detector.is_ejected(key)]
+        results = await asyncio.gather(*(self._check(pod) for pod in checked))
+        threshold = max(1, self._config.unhealthy_threshold)
+        for pod, ok in zip(checked, results, strict=True):
+            if ok:
+                self._failures.pop(pod.key, None)
+                continue
+            failures = self._failures.get(pod.key, 0) + 1
+            if failures >= threshold and not self._detector.is_ejected(pod.key):
+                self._failures.pop(pod.key, None)
+                self._detector.eject(pod, "active")
+            else:
+                self._failures[pod.key] = failures
+
+    async def _check(self, pod: Endpoint) -> bool:
+        async with self._limit:
+            ok = await self._probe(pod.base_url + self._config.health_path,
+                                   self._config.health_timeout_s)
+        if self._checks is not None:
+            self._checks.labels(result="ok" if ok else "failed").inc()
+        return ok

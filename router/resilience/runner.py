@@ -1,0 +1,110 @@
+"""Running uvicorn with our own SIGTERM handling: drain first, then stop, then exit 0.
+
+uvicorn's own handler closes the listening socket at once (so `/readyz` can no longer say
+"not ready") and re-raises the signal after shutdown (so the exit status is not 0). Here
+the first SIGTERM or SIGINT starts a drain (see `drain.py`): the port stays open and
+answers `/readyz` 503, data requests already in flight finish within the grace period,
+then every server stops. A second signal stops at once. An optional second server on
+`admin_port` serves the operational endpoints (metrics, health) apart from client traffic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import uvicorn
+
+from router.resilience.config import ResilienceConfig
+from router.resilience.drain import Drain
+
+log = logging.getLogger("pdgate.runner")
+
+#: How long uvicorn may still wait for connections once the drain is over.
+SHUTDOWN_SLACK_S = 1.0
+
+
+class _Server(uvicorn.Server):
+    """A uvicorn server that leaves signal handling to `DrainingRunner`."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class DrainingRunner:
+    """One main server, maybe an admin server, one drain (see the module docstring)."""
+
+    def __init__(
+        self,
+        app: Any,
+        admin_app: Any | None,
+        *,
+        host: str,
+        port: int,
+        admin_port: int | None,
+        log_level: str,
+        drain: Drain,
+        config: ResilienceConfig,
+    ) -> None:
+        common: dict[str, Any] = {
+            "host": host, "loop": "uvloop", "http": "httptools", "log_level": log_level,
+            "access_log": False, "timeout_graceful_shutdown": SHUTDOWN_SLACK_S,
+        }
+        self.main = _Server(uvicorn.Config(app, port=port, lifespan="on", **common))
+        self.servers = [self.main]
+        if admin_app is not None and admin_port is not None:
+            self.servers.append(
+                _Server(uvicorn.Config(admin_app, port=admin_port, lifespan="off", **common))
+            )
+        self.drain = drain
+        self.config = config
+        self._drain_task: asyncio.Task[None] | None = None
+
+    def run(self) -> int:
+        with asyncio.Runner(loop_factory=self.main.config.get_loop_factory()) as runner:
+            return runner.run(self.serve())
+
+    async def serve(self) -> int:
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, self.on_signal, signum)
+        try:
+            await asyncio.gather(*(server.serve() for server in self.servers))
+        finally:
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(signum)
+            if self._drain_task is not None:
+                self._drain_task.cancel()
+        return 0
+
+    def on_signal(self, signum: int) -> None:
+        if self._drain_task is None:
+            log.warning("signal %d: draining (grace %.0f s)", signum, self.config.drain_grace_s)
+            self._drain_task = asyncio.get_running_loop().create_task(self._drain())
+            return
+        log.warning("signal %d again: stopping now", signum)
+        for server in self.servers:
+            server.should_exit = True
+            server.force_exit = True
+
+    async def _drain(self) -> None:
+        began = time.monotonic()
+        self.drain.begin()
+        delay = min(self.config.drain_delay_s, self.config.drain_grace_s)
+        if delay:
+            await asyncio.sleep(delay)
+        idle = await self.drain.wait_idle(self.config.drain_grace_s - delay)
+        took = time.monotonic() - began
+        if idle:
+            log.warning("drained in %.2f s", took)
+        else:
+            log.warning("grace period over after %.2f s with %d request(s) in flight",
+                        took, self.drain.active)
+        for server in self.servers:
+            server.should_exit = True

@@ -1,0 +1,298 @@
+"""Outlier ejection, health checks, admission control and drain, in-process."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from engine_sim.faults import Faults, FaultSpec, spec_from_json
+from router.errors import APIError
+from router.resilience import Resilience
+from router.resilience.admission import Admission
+from router.resilience.config import ResilienceConfig
+from router.resilience.drain import Drain
+from router.resilience.ejection import OutlierDetector
+from router.resilience.health import HealthChecker
+from router.view import ClusterView, Endpoint
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def pod(name: str, role: str = "decode") -> Endpoint:
+    return Endpoint("default", name, "10.0.0.1", 8000, role)  # type: ignore[arg-type]
+
+
+def gauge(registry: CollectorRegistry, name: str, **labels: str) -> float | None:
+    return registry.get_sample_value(name, labels or None)
+
+
+# --- ejection -----------------------------------------------------------------------
+
+
+def test_consecutive_failures_eject_and_a_success_resets_the_streak() -> None:
+    clock, registry = Clock(), CollectorRegistry()
+    detector = OutlierDetector(ResilienceConfig(consecutive_failures=3), registry, clock)
+    a = pod("a")
+    detector.record_failure(a)
+    detector.record_failure(a)
+    detector.record_success(a)
+    detector.record_failure(a)
+    detector.record_failure(a)
+    assert not detector.is_ejected(a.key)
+    detector.record_failure(a)
+    assert detector.is_ejected(a.key)
+    assert gauge(registry, "pdgate_pod_ejected", pod="default/a") == 1
+    assert gauge(registry, "pdgate_pods_ejected") == 1
+    assert gauge(registry, "pdgate_pod_ejections_total", source="passive") == 1
+
+
+def test_backoff_grows_while_probes_fail_and_a_good_probe_readmits() -> None:
+    clock, registry = Clock(), CollectorRegistry()
+    config = ResilienceConfig(consecutive_failures=1, base_ejection_s=1.0, max_ejection_s=3.0)
+    detector = OutlierDetector(config, registry, clock)
+    a = pod("a")
+    detector.record_failure(a)
+    assert detector.due() == []  # backoff not over
+    clock.now += 1.0
+    assert detector.due() == [a]
+    assert detector.due() == []  # being probed already
+    detector.probe_result(a, ok=False)  # ejected for 2 s now
+    clock.now += 1.5
+    assert detector.due() == []
+    clock.now += 0.5
+    assert detector.due() == [a]
+    detector.probe_result(a, ok=False)  # 4 s, capped at 3 s
+    clock.now += 3.0
+    assert detector.due() == [a]
+    detector.probe_result(a, ok=True)
+    assert not detector.is_ejected(a.key)
+    assert gauge(registry, "pdgate_pod_readmissions_total") == 1
+    assert gauge(registry, "pdgate_pod_ejected", pod="default/a") is None
+    assert gauge(registry, "pdgate_pods_ejected") == 0
+    # Failing again right away: the history still counts, the backoff stays long.
+    detector.record_failure(a)
+    clock.now += 2.9
+    assert detector.due() == []
+
+
+def test_history_is_forgotten_after_a_healthy_backoff() -> None:
+    clock = Clock()
+    config = ResilienceConfig(consecutive_failures=1, base_ejection_s=1.0, max_ejection_s=60)
+    detector = OutlierDetector(config, None, clock)
+    a = pod("a")
+    detector.record_failure(a)
+    clock.now += 1.0
+    detector.due()
+    detector.probe_result(a, ok=True)
+    clock.now += 5.0
+    detector.record_success(a)  # healthy longer than the last backoff: forgotten
+    detector.record_failure(a)
+    clock.now += 1.0
+    assert detector.due() == [a]  # a first ejection again (1 s)
+
+
+def test_disabled_detector_never_ejects_and_absent_pods_are_forgotten() -> None:
+    registry = CollectorRegistry()
+    off = OutlierDetector(ResilienceConfig(consecutive_failures=0))
+    for _ in range(10):
+        off.record_failure(pod("a"))
+    assert not off.ejected
+    on = OutlierDetector(ResilienceConfig(consecutive_failures=1), registry)
+    on.record_failure(pod("a"))
+    on.record_failure(pod("b"))
+    on.forget_absent({"default/b"})
+    assert on.ejected == {"default/b"}
+    assert gauge(registry, "pdgate_pods_ejected") == 1
+
+
+# --- health checks ------------------------------------------------------------------
+
+
+async def test_sweep_ejects_after_the_threshold_and_probes_readmit() -> None:
+    from router.resources import parse_object
+    from router.view import ClusterView
+
+    view = ClusterView()
+    view.apply(parse_object({
+        "apiVersion": "networking.serving.volcano.sh/v1alpha1", "kind": "ModelServer",
+        "metadata": {"name": "s", "namespace": "default"},
+        "spec": {"inferenceEngine": "vLLM", "workloadPort": {"port": 8000},
+                 "workloadSelector": {"matchLabels": {"app": "x"}}},
+    }))
+    for name in ("p1", "p2"):
+        view.apply(parse_object({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": "default", "labels": {"app": "x"}},
+            "status": {"phase": "Running", "podIP": f"10.0.0.{name[-1]}",
+                       "conditions": [{"type": "Ready", "status": "True"}]},
+        }))
+    healthy = {"http://10.0.0.1:8000/health": True, "http://10.0.0.2:8000/health": False}
+    probed: list[str] = []
+
+    async def probe(url: str, timeout_s: float) -> bool:
+        probed.append(url)
+        return healthy[url]
+
+    config = ResilienceConfig(unhealthy_threshold=2, base_ejection_s=0.0, probe_tick_s=0.01)
+    registry = CollectorRegistry()
+    resilience = Resilience(config, view, probe, registry)
+    checker = resilience.health
+    assert isinstance(checker, HealthChecker)
+    await checker.sweep()
+    assert not resilience.outliers.ejected
+    await checker.sweep()
+    assert resilience.outliers.ejected == {"default/p2"}
+    assert resilience.is_ejected("default/p2")
+    assert gauge(registry, "pdgate_pod_ejections_total", source="active") == 1
+    probed.clear()
+    await checker.sweep()  # ejected pods are left to the readmission probes
+    assert probed == ["http://10.0.0.1:8000/health"]
+    healthy["http://10.0.0.2:8000/health"] = True
+    task = asyncio.create_task(resilience.run())
+    try:
+        for _ in range(100):
+            if not resilience.outliers.ejected:
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    assert not resilience.outliers.ejected
+    assert gauge(registry, "pdgate_health_checks_total", result="failed") == 2
+
+
+# --- admission ----------------------------------------------------------------------
+
+
+async def test_admission_fast_path_queue_and_refusals() -> None:
+    registry = CollectorRegistry()
+    admission = Admission(ResilienceConfig(max_inflight=2, max_queue=1, queue_timeout_s=0.2),
+                          registry)
+    assert admission.try_enter("m") and admission.try_enter("m")
+    assert not admission.try_enter("m")
+    waiter = asyncio.create_task(admission.wait("m"))
+    await asyncio.sleep(0)
+    assert admission.waiting == 1
+    with pytest.raises(APIError) as full:
+        await admission.wait("m")
+    assert full.value.status == 503 and full.value.headers["retry-after"] == "1"
+    admission.leave("m")  # hands the slot to the waiter
+    await waiter
+    assert admission.inflight == 2 and admission.waiting == 0
+    with pytest.raises(APIError) as late:
+        await admission.wait("m")  # nobody leaves: times out
+    assert late.value.status == 503
+    assert gauge(registry, "pdgate_admission_rejected_total", reason="queue_full") == 1
+    assert gauge(registry, "pdgate_admission_rejected_total", reason="queue_timeout") == 1
+    assert gauge(registry, "pdgate_admission_queue") == 0
+
+
+async def test_per_model_bound_does_not_block_other_models() -> None:
+    admission = Admission(ResilienceConfig(max_inflight_per_model=1, max_queue=4,
+                                           queue_timeout_s=1.0))
+    assert admission.try_enter("a")
+    waiting_a = asyncio.create_task(admission.wait("a"))
+    await asyncio.sleep(0)
+    # "b" has room, but someone is queued: it queues too and is woken at once by a leave.
+    waiting_b = asyncio.create_task(admission.wait("b"))
+    await asyncio.sleep(0)
+    admission.leave("a")
+    await asyncio.wait_for(asyncio.gather(waiting_a, waiting_b), 1.0)
+    assert admission.per_model == {"a": 1, "b": 1}
+
+
+async def test_a_cancelled_waiter_leaves_the_queue_and_passes_its_slot() -> None:
+    admission = Admission(ResilienceConfig(max_inflight=1, max_queue=2, queue_timeout_s=5))
+    assert admission.try_enter("m")
+    first = asyncio.create_task(admission.wait("m"))
+    second = asyncio.create_task(admission.wait("m"))
+    await asyncio.sleep(0)
+    first.cancel()
+    await asyncio.sleep(0)
+    assert admission.waiting == 1
+    admission.leave("m")
+    await asyncio.wait_for(second, 1)
+    assert admission.inflight == 1
+    admission.leave("m")
+    assert admission.inflight == 0
+
+
+# --- drain --------------------------------------------------------------------------
+
+
+async def test_drain_waits_for_requests_in_flight() -> None:
+    drain = Drain()
+    drain.enter()
+    drain.begin()
+    assert drain.draining
+    assert not await drain.wait_idle(0.05)
+    asyncio.get_running_loop().call_later(0.05, drain.leave)
+    assert await drain.wait_idle(1.0)
+    idle = Drain()
+    idle.begin()
+    assert await idle.wait_idle(0.01)
+
+
+def test_resilience_follows_the_view() -> None:
+    view = ClusterView()
+    async def probe(url: str, timeout_s: float) -> bool:
+        return True
+
+    resilience = Resilience(ResilienceConfig(consecutive_failures=1), view, probe)
+    resilience.outliers.record_failure(pod("gone"))
+    assert resilience.is_ejected("default/gone")
+    view.replace_all("Pod", [])
+    view.replace_all("ModelServer", [])
+    resilience._on_snapshot(view.snapshot)
+    assert not resilience.is_ejected("default/gone")
+
+
+@pytest.mark.parametrize("bad", [
+    {"consecutive_failures": -1}, {"health_interval_s": -1}, {"probe_tick_s": 0},
+    {"health_path": "health"},
+])
+def test_config_refuses_bad_values(bad: dict[str, object]) -> None:
+    with pytest.raises(ValueError):
+        ResilienceConfig(**bad)  # type: ignore[arg-type]
+
+
+# --- the simulator's fault plans ------------------------------------------------------
+
+
+def test_fault_plans_are_seeded_and_targeted() -> None:
+    spec = FaultSpec(error_rate=0.5, drop_rate=0.2, seed=3, match="MARK")
+    first, second = Faults(spec), Faults(spec)
+    bodies = [b"MARK %d" % i for i in range(50)]
+    plans = [first.plan(b) for b in bodies]
+    assert plans == [second.plan(b) for b in bodies]
+    assert 10 < sum(p is not None and p.error_status == 500 for p in plans) < 40
+    assert first.plan(b"unmarked") is None
+    assert first.requests == 50
+    crash = Faults(FaultSpec(crash_on_request=3))
+    assert [bool(p and p.crash) for p in (crash.plan(b"") for _ in range(4))] == [
+        False, False, True, False]
+    assert not Faults().armed
+
+
+@pytest.mark.parametrize("data", [
+    {"error_rate": 1.5}, {"nope": 1}, {"error_status": 404}, {"match": 3},
+    {"drop_after_chunks": 1.5}, {"hang_rate": True}, [],
+])
+def test_fault_specs_refuse_bad_fields(data: object) -> None:
+    with pytest.raises(ValueError):
+        spec_from_json(data)
+
+
+def test_fault_spec_merges_onto_a_base() -> None:
+    base = FaultSpec(error_rate=0.1, seed=4)
+    assert spec_from_json({"drop_rate": 1}, base) == FaultSpec(error_rate=0.1, seed=4,
+                                                               drop_rate=1.0)

@@ -564,7 +564,7 @@ def parse_object(raw: dict[str, Any]) -> Resource:
     if not isinstance(raw, Mapping):
         raise InvalidObject("?", name, f"must be an object, not {_type_name(raw)}")
     kind = raw.get("kind")
-    if kind not in API_VERSIONS:
+    if not isinstance(kind, str) or kind not in API_VERSIONS:
         raise InvalidObject(str(kind), name, f"unsupported kind {kind!r}")
     try:
         api_version = raw.get("apiVersion")

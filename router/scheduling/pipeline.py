@@ -55,6 +55,9 @@ _INF = math.inf
 #: Added to the cost of a candidate the guard excludes: it loses to any other candidate,
 #: yet a group with one guarded side still beats a group with two.
 GUARD_PENALTY = 1e12
+# Added per avoided or ejected pod when nothing else is left: dwarfs any real cost, so a
+# pair with one such pod beats a pair with two, whatever their loads.
+UNWANTED_PENALTY = 1e15
 
 
 class Profile:
@@ -308,6 +311,14 @@ class PipelineScheduler:
 
     # -- prefill/decode pairs -----------------------------------------------------------------
 
+    def _penalise_unwanted(
+        self, cands: Candidates, costs: list[float], avoid: frozenset[str]
+    ) -> None:
+        ejected = self.deps.is_ejected
+        for i, key in enumerate(cands.keys):
+            if key in avoid or ejected(key):
+                costs[i] += UNWANTED_PENALTY
+
     def _pick_pd(
         self, profiles: _Profiles, ctx: PickContext, server: ServerPods, avoid: frozenset[str]
     ) -> Pick | None:
@@ -317,6 +328,7 @@ class PipelineScheduler:
         pre_profile, dec_profile = profiles.prefill, profiles.decode
         pre = dec = None
         common: set[str | None] = set()
+        level = 2
         for level in (2, 1, 0):
             ctx.role = "prefill"
             pre = self._narrow(ctx, pre_profile, layout.pods, layout.keys, avoid, level)
@@ -345,6 +357,11 @@ class PipelineScheduler:
         _take_report(ctx)
         if dec_profile.guard(dec, dec_costs):
             self.metrics.guard["decode"].inc()
+        if level == 0:
+            # Last resort: every group has an avoided or ejected pod. Still prefer the pair
+            # with the fewest of them, so a retry does not walk back onto a dead pod.
+            self._penalise_unwanted(pre, pre_costs, avoid)
+            self._penalise_unwanted(dec, dec_costs, avoid)
 
         best_pre: dict[str | None, float] = {}
         for pod, cost in zip(pre.pods, pre_costs, strict=True):

@@ -444,6 +444,21 @@ def test_pd_with_avoid_and_relaxation() -> None:
     assert rt.scheduler.pick(pd_server({}), request(), frozenset()) is None
 
 
+def test_last_resort_prefers_the_pair_with_fewest_avoided_or_ejected_pods() -> None:
+    # No group keeps a wanted pair: g0 has two unwanted pods, g1 and g2 one each.
+    server = pd_server({"g0": (["p0"], ["d0"]), "g1": (["p1"], ["d1"]), "g2": (["p2"], ["d2"])})
+    (p0, d0), (p1, d1), (p2, d2) = ((g.prefill[0], g.decode[0]) for g in server.groups)
+    for seed in range(20):
+        rt = runtime(seed=seed)
+        for endpoint in (p1, d1, p2, d2):
+            busy(rt, endpoint, 5)  # load alone would choose g0
+        pick = rt.scheduler.pick(server, request(), frozenset({p0.key, d0.key, d1.key, p2.key}))
+        assert pick is not None and pick.decode.group in ("g1", "g2")
+        rt.set_ejection_hook(lambda key: key == p0.key)
+        pick = rt.scheduler.pick(server, request(), frozenset({d0.key, d1.key, p2.key}))
+        assert pick is not None and pick.decode.group in ("g1", "g2")
+
+
 def test_score_unit_profiles() -> None:
     config = parse_scheduler_config({"profiles": {
         name: {"unit": "score", "scorers": [{"type": "least-request", "weight": 2.0},

@@ -45,11 +45,7 @@ def sim_pods(config_dir: Path) -> list[SimPodSpec]:
     for key, server in sorted(view.snapshot.servers.items()):
         model = server.server.model or models_by_server.get(key, key[1])
         engine = server.server.inference_engine
-        endpoints = list(server.aggregated)
-        for group in server.groups:
-            endpoints.extend(group.prefill)
-            endpoints.extend(group.decode)
-        specs.extend(SimPodSpec(endpoint, model, engine) for endpoint in endpoints)
+        specs.extend(SimPodSpec(endpoint, model, engine) for endpoint in server.endpoints())
     return specs
 
 

@@ -20,7 +20,7 @@ from router.scheduling.runtime import build_scheduler
 from router.security import Security, SecurityConfig
 from router.sources.base import Source
 from router.upstream import Upstream
-from router.view import ClusterView, Endpoint, ServerPods, Snapshot
+from router.view import ClusterView, Snapshot
 
 log = logging.getLogger("pdgate.state")
 
@@ -66,12 +66,7 @@ class AppState:
         self.view.subscribe(self._on_snapshot)
 
     def _on_snapshot(self, snapshot: Snapshot) -> None:
-        present = {
-            endpoint.key
-            for server in snapshot.servers.values()
-            for endpoint in _endpoints(server)
-        }
-        self.inflight.forget_absent(present)
+        self.inflight.forget_absent(set(snapshot.endpoints()))
         self.metrics.ambiguous_pods.set(snapshot.ambiguous_pods)
 
     @property
@@ -119,10 +114,3 @@ class AppState:
         await self.security.close()
         await self.upstream.close()
 
-
-def _endpoints(server: ServerPods) -> list[Endpoint]:
-    pods = list(server.aggregated)
-    for group in server.groups:
-        pods.extend(group.prefill)
-        pods.extend(group.decode)
-    return pods

@@ -86,6 +86,14 @@ class ServerPods:
     def is_pd(self) -> bool:
         return self.server.pd_group is not None
 
+    def endpoints(self) -> list[Endpoint]:
+        """Every ready pod of this server: aggregated, then each group's prefill and decode."""
+        pods = list(self.aggregated)
+        for group in self.groups:
+            pods.extend(group.prefill)
+            pods.extend(group.decode)
+        return pods
+
 
 @dataclass(frozen=True, slots=True)
 class Snapshot:
@@ -99,6 +107,10 @@ class Snapshot:
 
     def model_names(self) -> list[str]:
         return sorted(self.routes_by_model)
+
+    def endpoints(self) -> dict[str, Endpoint]:
+        """Every ready pod of every server, by key (a pod two servers select appears once)."""
+        return {pod.key: pod for server in self.servers.values() for pod in server.endpoints()}
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ from router.resilience.admission import Admission
 from router.resilience.config import ResilienceConfig
 from router.resilience.drain import Drain
 from router.resilience.ejection import OutlierDetector
-from router.resilience.health import HealthChecker, Probe, snapshot_endpoints
+from router.resilience.health import HealthChecker, Probe
 from router.view import ClusterView, Snapshot
 
 
@@ -37,7 +37,7 @@ class Resilience:
         await self.health.run()
 
     def _on_snapshot(self, snapshot: Snapshot) -> None:
-        self.outliers.forget_absent(snapshot_endpoints(snapshot))
+        self.outliers.forget_absent(snapshot.endpoints())
 
 
 __all__ = [

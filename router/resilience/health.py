@@ -17,27 +17,13 @@ from prometheus_client import CollectorRegistry, Counter
 
 from router.resilience.config import ResilienceConfig
 from router.resilience.ejection import OutlierDetector
-from router.view import ClusterView, Endpoint, Snapshot
+from router.view import ClusterView, Endpoint
 
 log = logging.getLogger("pdgate.health")
 
 MAX_CONCURRENT_PROBES = 32
 
 Probe = Callable[[str, float], Awaitable[bool]]
-
-
-def snapshot_endpoints(snapshot: Snapshot) -> dict[str, Endpoint]:
-    """Every pod of every server in `snapshot`, by key."""
-    pods: dict[str, Endpoint] = {}
-    for server in snapshot.servers.values():
-        for endpoint in server.aggregated:
-            pods[endpoint.key] = endpoint
-        for group in server.groups:
-            for endpoint in group.prefill:
-                pods[endpoint.key] = endpoint
-            for endpoint in group.decode:
-                pods[endpoint.key] = endpoint
-    return pods
 
 
 class HealthChecker:
@@ -97,7 +83,7 @@ class HealthChecker:
 
     async def sweep(self) -> None:
         """Check every admitted pod once."""
-        pods = snapshot_endpoints(self._view.snapshot)
+        pods = self._view.snapshot.endpoints()
         self._failures = {k: n for k, n in self._failures.items() if k in pods}
         checked = [pod for key, pod in pods.items() if not self._detector.is_ejected(key)]
         results = await asyncio.gather(*(self._check(pod) for pod in checked))

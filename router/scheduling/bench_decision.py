@@ -99,9 +99,7 @@ def measure(
     """Per-pick times of the quietest of `rounds` rounds (the machine may be shared)."""
     runtime = _runtime(config, seed)
     rng = random.Random(seed)
-    pods: list[Endpoint] = list(server.aggregated)
-    for group in server.groups:
-        pods.extend(group.prefill + group.decode)
+    pods = server.endpoints()
     now = time.monotonic()
     for pod in pods:
         for _ in range(rng.randrange(4)):

@@ -229,13 +229,7 @@ class MetricsScraper:
         self._apply_settings()
 
     def on_snapshot(self, snapshot: Snapshot) -> None:
-        pods: dict[str, str] = {}
-        for server in snapshot.servers.values():
-            for pod in server.aggregated:
-                pods.setdefault(pod.key, pod.base_url)
-            for group in server.groups:
-                for pod in group.prefill + group.decode:
-                    pods.setdefault(pod.key, pod.base_url)
+        pods = {key: pod.base_url for key, pod in snapshot.endpoints().items()}
         self._pods = pods
         self.store.retain(set(pods))
         for key in [k for k in self._capacity if k not in pods]:

@@ -150,12 +150,7 @@ class SchedulerRuntime:
         self.deps.is_ejected = is_ejected
 
     def _on_snapshot(self, snapshot: Snapshot) -> None:
-        keys: set[str] = set()
-        for server in snapshot.servers.values():
-            keys.update(p.key for p in server.aggregated)
-            for group in server.groups:
-                keys.update(p.key for p in group.prefill)
-                keys.update(p.key for p in group.decode)
+        keys = set(snapshot.endpoints())
         self.scheduler.forget_layouts()
         self.approx.retain(keys)
         self.scraper.on_snapshot(snapshot)

@@ -1,0 +1,241 @@
+"""`python -m benchmarks [--quick]`: run every phase, then write JSON, Markdown and PNGs."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import importlib.metadata
+import json
+import logging
+import os
+import platform
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import asdict
+from functools import partial
+from pathlib import Path
+from typing import Any, cast
+
+from tqdm import tqdm
+
+from benchmarks import figures, plots, report
+from benchmarks.cluster import Mode
+from benchmarks.config import BenchConfig, full, quick
+from benchmarks.phases import Bench, planned_runs
+from benchmarks.policies import PDGATE_POLICIES, QUICK_POLICIES, lineup
+from benchmarks.procs import StartupError
+from benchmarks.results import RouterResources, RunRecord, read_raw, write_raw
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+PHASES = ("overhead", "scheduling")
+MODES: tuple[Mode, ...] = ("agg", "pd")
+#: Wall-clock budgets: no new run starts after them (a run in progress finishes).
+QUICK_BUDGET_S = 160.0
+FULL_BUDGET_S = 1080.0
+
+
+class BarReporter:
+    """A tqdm bar over runs; its postfix counts the requests of the current run."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.bar = tqdm(total=total, unit="run", disable=not enabled, dynamic_ncols=True)
+        self.requests = 0
+        self._last = 0.0
+
+    def begin(self, label: str) -> None:
+        self.requests = 0
+        self.bar.set_description(label[:70])
+
+    def request(self, count: int) -> None:
+        self.requests += count
+        now = time.monotonic()
+        if now - self._last > 0.5:
+            self._last = now
+            self.bar.set_postfix_str(f"{self.requests} req")
+
+    def end(self) -> None:
+        self.bar.set_postfix_str(f"{self.requests} req", refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
+    add = parser.add_argument
+    add("--quick", action="store_true", help="the short preset (under 3 minutes)")
+    add("--out", type=Path, help="output directory (default: benchmarks/results/<date>[-quick])")
+    add("--seed", type=int, default=0, help="workload and arrival seed")
+    add("--phases", default=",".join(PHASES), help="comma list of: overhead, scheduling")
+    add("--modes", default=",".join(MODES), help="comma list of: agg, pd")
+    add("--pdgate-policies",
+        help=f"comma list of: {', '.join(PDGATE_POLICIES)} (default: all; quick: "
+             f"{', '.join(QUICK_POLICIES)})")
+    add("--time-budget", type=float, help="seconds after which no new run starts")
+    add("--no-progress", action="store_true", help="no progress bar")
+    add("--report-only", type=Path, metavar="DIR",
+        help="re-render DIR's report and plots from DIR/raw/runs.json, run nothing")
+    add("--log-level", default="warning")
+    return parser.parse_args(argv)
+
+
+def _split(text: str, allowed: Sequence[str], what: str) -> list[str]:
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    bad = [item for item in items if item not in allowed]
+    if bad:
+        raise SystemExit(f"unknown {what}: {bad} (choose from {list(allowed)})")
+    return items
+
+
+def _peers() -> str:
+    found = []
+    for name in ("vllm-router", "sglang-router"):
+        try:
+            found.append(f"{name} {importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            found.append(f"{name} (not installed)")
+    return ", ".join(found)
+
+
+def _method(config: BenchConfig) -> list[str]:
+    o, s = config.overhead, config.scheduling
+    return [
+        f"- Overhead: `overhead` workload ({o.params.prompt_tokens}-token prompts, "
+        f"{o.params.output_tokens} output tokens, streaming), `--fast` engines: non-PD "
+        f"{o.agg_pods} pods, PD {o.pd_groups} prefill/decode pair(s). {o.rounds} interleaved "
+        f"rounds (A B C, then C B A); per turn up to {o.latency_requests} requests or "
+        f"{o.latency_seconds:g} s at concurrency {o.latency_concurrency} for latency, then "
+        f"{o.throughput_seconds:g} s at concurrency "
+        f"{o.throughput_concurrency} for max throughput. Every router is warmed up first.",
+        "- Direct floor: non-PD, the client talks to one pod; PD, the client itself sends "
+        "prefill (`max_tokens: 1`, NIXL `kv_transfer_params`) then decode with the handle to "
+        "one prefill and one decode pod. That floor makes the Python client send two requests, "
+        "so it can be slower than a fast router (negative added latency): compare the routers "
+        "with each other there (the headline gives pdgate minus vLLM Router).",
+        f"- Sweep: open-loop Poisson at {', '.join(f'{f:.0%}' for f in config.sweep.fractions)} "
+        f"of the fastest router's max at c=64, {config.sweep.seconds:g} s per level and "
+        "router; "
+        "arrivals beyond 512 in flight are shed and counted as `client_overload` errors.",
+        f"- Scheduling: {s.pd_groups} PD groups (pdgate pairs inside a group; vLLM Router "
+        f"pairs any prefill with any decode) or {s.agg_pods} aggregated pods, simulator latency "
+        f"model on, flags `{' '.join(s.sim_flags)}`; closed loop at concurrency "
+        f"{s.concurrency} ({s.multi_round_concurrency} users at once for multi-round); fresh "
+        "Mooncake master and pods for every run.",
+        f"- Workloads: shared-prefix {s.shared_prefix}; multi-round {s.multi_round}; "
+        f"random {s.random}.",
+        "- Peers: vLLM Router with `--vllm-pd-disaggregation --kv-connector nixl` (PD) or "
+        "`--worker-urls` (non-PD); SGLang's router `launch --worker-urls` (non-PD only). "
+        "Overhead runs use round_robin for the peers (their cheapest policy) and pdgate's "
+        "default profiles. pdgate's cost model is told the engines' prefill cost "
+        f"(`costModel.prefillSecondsPerToken: {s.prefill_ms_per_token / 1e3:g}`); the peers "
+        "have no such setting. All routers log at warning level.",
+    ]
+
+
+async def _run(bench: Bench, phases: list[str], modes: list[Mode]) -> None:
+    steps: list[tuple[str, Callable[[], Awaitable[None]]]] = []
+    if "overhead" in phases:
+        steps += [(f"overhead {m}", partial(bench.overhead_and_sweep, m)) for m in modes]
+    if "scheduling" in phases:
+        steps += [(f"scheduling {m}", partial(bench.scheduling, m))
+                  for m in sorted(modes, reverse=True)]  # pd first
+    for label, step in steps:
+        try:
+            await step()
+        except (StartupError, OSError, RuntimeError) as exc:  # one phase failing: go on
+            bench.skipped.append(f"{label}: {str(exc).splitlines()[0] if str(exc) else exc!r}")
+            logging.getLogger("benchmarks").exception("%s failed", label)
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return cast(Callable[[], asyncio.AbstractEventLoop], uvloop.new_event_loop)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if args.report_only is not None:
+        saved, runs, resources = read_raw(args.report_only / "raw" / "runs.json")
+        _write_reports(args.report_only, saved, runs, resources)
+        print(f"results: {args.report_only}")
+        return 0
+    config = quick(args.seed) if args.quick else full(args.seed)
+    phases = _split(args.phases, PHASES, "phases")
+    modes = cast(list[Mode], _split(args.modes, MODES, "modes"))
+    policies = (
+        _split(args.pdgate_policies, list(PDGATE_POLICIES), "pdgate policies")
+        if args.pdgate_policies
+        else list(QUICK_POLICIES if args.quick else PDGATE_POLICIES)
+    )
+    the_lineup = lineup(modes, policies, config.scheduling.include_agg,
+                        config.scheduling.prefill_ms_per_token)
+    if "overhead" not in phases:
+        the_lineup = type(the_lineup)(overhead={}, scheduling=the_lineup.scheduling)
+    if "scheduling" not in phases:
+        the_lineup = type(the_lineup)(overhead=the_lineup.overhead, scheduling={})
+    today = dt.date.today().isoformat()
+    out = args.out or RESULTS_DIR / (today + ("-quick" if args.quick else ""))
+    raw = out / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    budget = args.time_budget or (QUICK_BUDGET_S if args.quick else FULL_BUDGET_S)
+    started = time.monotonic()
+    reporter = BarReporter(planned_runs(config, the_lineup), enabled=not args.no_progress)
+    bench = Bench(config, the_lineup, raw, started + budget, reporter)
+    try:
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            runner.run(_run(bench, phases, modes))
+    except KeyboardInterrupt:
+        bench.skipped.append("interrupted")
+    finally:
+        reporter.close()
+        bench.join_stopping()
+    elapsed = time.monotonic() - started
+    meta: dict[str, Any] = {
+        "date": today,
+        "preset": config.name,
+        "seed": config.seed,
+        "elapsed_s": elapsed,
+        "machine": f"{os.cpu_count()} CPUs, {platform.platform()}, "
+                   f"Python {platform.python_version()}",
+        "peers": _peers(),
+        "skipped": bench.skipped,
+        "method": _method(config),
+    }  # fmt: skip
+    write_raw(raw / "runs.json", meta, bench.runs, bench.resources)
+    _write_reports(out, meta, bench.runs, bench.resources)
+    print(f"results: {out} ({elapsed:.0f} s)")
+    return 0 if not bench.skipped else 2
+
+
+def _write_reports(
+    out: Path, meta: dict[str, Any], runs: list[RunRecord], resources: list[RouterResources]
+) -> None:
+    over = figures.overhead_rows(runs, resources)
+    sweep = figures.sweep_points(runs)
+    sched = figures.scheduling_rows(runs, resources)
+    # Colours and bar order: direct, then pdgate's policies, then the peers.
+    kinds = ("direct", "pdgate", "vllm-router", "sglang-router")
+    names = [r.router for kind in kinds for r in runs if r.kind == kind]
+    palette = plots.Palette(names)
+    drawn: list[str] = []
+    drawers: list[tuple[str, Callable[[Path], bool]]] = [
+        ("overhead.png", lambda p: plots.plot_overhead(over, p, palette)),
+        ("ttft_cdf.png", lambda p: plots.plot_cdfs(runs, "ttft", p, palette)),
+        ("e2e_cdf.png", lambda p: plots.plot_cdfs(runs, "e2e", p, palette)),
+        ("throughput_vs_load.png", lambda p: plots.plot_sweep(sweep, p, palette)),
+        ("cpu_per_1k.png", lambda p: plots.plot_cpu(over, sched, p, palette)),
+        ("prefix_hit_rate.png", lambda p: plots.plot_hit_rate(sched, p, palette)),
+    ]
+    for name, draw in drawers:
+        if draw(out / name):
+            drawn.append(name)
+    (out / "README.md").write_text(report.render(meta, over, sweep, sched, drawn))
+    summary = {"meta": meta, **figures.headline(over, sched),
+               "sweep": [asdict(p) for p in sweep]}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))

@@ -1,0 +1,195 @@
+"""From run records to the figures the report and the plots show (medians and ratios)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from benchmarks.results import RouterResources, RunRecord
+from benchmarks.stats import median, percentile, ratio
+
+
+@dataclass(frozen=True, slots=True)
+class OverheadRow:
+    mode: str
+    router: str
+    kind: str
+    e2e_p50: float | None  # pooled over the latency runs of every round
+    e2e_p99: float | None
+    added_p50: float | None  # minus direct's, same mode
+    added_p99: float | None
+    max_rps: float | None  # median over rounds of the closed-loop c=64 throughput
+    max_rps_rounds: tuple[float, ...]
+    cpu_per_1k: float | None  # router CPU s per 1,000 requests, all overhead runs pooled
+    peak_rss_mib: float | None
+    idle_cpu_pct: float | None  # % of one core with no traffic
+    requests: int
+    errors: int
+
+
+@dataclass(frozen=True, slots=True)
+class SweepPoint:
+    mode: str
+    router: str
+    offered: float
+    achieved: float
+    e2e_p50: float | None
+    errors: int
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulingRow:
+    mode: str
+    workload: str
+    router: str
+    kind: str
+    policy: str | None
+    ttft_p50: float | None
+    ttft_p90: float | None
+    e2e_p50: float | None
+    itl_p50: float | None
+    hit_rate: float | None
+    throughput: float
+    cpu_per_1k: float | None
+    peak_rss_mib: float | None
+    requests: int
+    errors: int
+
+
+def _pooled(runs: Iterable[RunRecord]) -> tuple[list[float], int, int]:
+    e2e: list[float] = []
+    requests = errors = 0
+    for run in runs:
+        requests += len(run.results)
+        for result in run.results:
+            if result.ok:
+                e2e.append(result.e2e)
+            else:
+                errors += 1
+    return e2e, requests, errors
+
+
+def _peak(resources: Sequence[RouterResources], router: str, mode: str, phase: str) -> float | None:
+    peaks = [r.peak_rss_bytes for r in resources
+             if r.router == router and r.mode == mode and r.phase.startswith(phase)]
+    return max(peaks) / (1 << 20) if peaks else None
+
+
+def _idle(resources: Sequence[RouterResources], router: str, mode: str) -> float | None:
+    found = [r.idle_cpu_pct for r in resources
+             if r.router == router and r.mode == mode and r.idle_cpu_pct is not None]
+    return found[0] if found else None
+
+
+def _cpu_per_1k(runs: Iterable[RunRecord]) -> float | None:
+    cpu = 0.0
+    ok = 0
+    for run in runs:
+        if run.router_cpu_s is None:
+            return None
+        cpu += run.router_cpu_s
+        ok += run.summary.ok
+    return cpu / ok * 1000.0 if ok else None
+
+
+def overhead_rows(
+    runs: Sequence[RunRecord], resources: Sequence[RouterResources]
+) -> list[OverheadRow]:
+    rows: list[OverheadRow] = []
+    for mode in _ordered(r.mode for r in runs if r.phase.startswith("overhead")):
+        mine = [r for r in runs if r.mode == mode and r.phase.startswith("overhead")]
+        direct_e2e, _, _ = _pooled(r for r in mine if r.kind == "direct" and
+                                   r.phase == "overhead-latency")
+        d50, d99 = percentile(direct_e2e, 50), percentile(direct_e2e, 99)
+        for router in _ordered(r.router for r in mine):
+            latency = [r for r in mine if r.router == router and r.phase == "overhead-latency"]
+            throughput = [r for r in mine
+                          if r.router == router and r.phase == "overhead-throughput"]
+            _, requests, errors = _pooled(latency + throughput)
+            lat_e2e, _, _ = _pooled(latency)
+            p50, p99 = percentile(lat_e2e, 50), percentile(lat_e2e, 99)
+            rounds = tuple(r.summary.throughput for r in throughput)
+            kind = mine[[r.router for r in mine].index(router)].kind
+            rows.append(OverheadRow(
+                mode=mode, router=router, kind=kind, e2e_p50=p50, e2e_p99=p99,
+                added_p50=None if p50 is None or d50 is None else p50 - d50,
+                added_p99=None if p99 is None or d99 is None else p99 - d99,
+                max_rps=median(list(rounds)), max_rps_rounds=rounds,
+                cpu_per_1k=_cpu_per_1k(latency + throughput),
+                peak_rss_mib=_peak(resources, router, mode, "overhead"),
+                idle_cpu_pct=_idle(resources, router, mode),
+                requests=requests, errors=errors,
+            ))  # fmt: skip
+    return rows
+
+
+def sweep_points(runs: Sequence[RunRecord]) -> list[SweepPoint]:
+    return [
+        SweepPoint(r.mode, r.router, r.offered_rate or 0.0, r.summary.throughput,
+                   r.summary.e2e_p50, r.summary.requests - r.summary.ok)
+        for r in runs if r.phase == "sweep"
+    ]  # fmt: skip
+
+
+def scheduling_rows(
+    runs: Sequence[RunRecord], resources: Sequence[RouterResources]
+) -> list[SchedulingRow]:
+    rows = []
+    for r in runs:
+        if r.phase != "scheduling":
+            continue
+        s = r.summary
+        rows.append(SchedulingRow(
+            mode=r.mode, workload=r.workload, router=r.router, kind=r.kind, policy=r.policy,
+            ttft_p50=s.ttft_p50, ttft_p90=s.ttft_p90, e2e_p50=s.e2e_p50, itl_p50=s.itl_p50,
+            hit_rate=r.hit_rate, throughput=s.throughput, cpu_per_1k=r.cpu_per_1k,
+            peak_rss_mib=_peak(resources, r.router, r.mode, f"scheduling {r.workload}"),
+            requests=s.requests, errors=s.requests - s.ok,
+        ))  # fmt: skip
+    return rows
+
+
+def best_pdgate(rows: Sequence[SchedulingRow], mode: str, workload: str) -> SchedulingRow | None:
+    """pdgate's policy with the lowest TTFT p50 on one workload."""
+    mine = [r for r in rows if r.mode == mode and r.workload == workload and r.kind == "pdgate"
+            and r.ttft_p50 is not None]
+    return min(mine, key=lambda r: r.ttft_p50 or 0.0) if mine else None
+
+
+def headline(
+    over: Sequence[OverheadRow], sched: Sequence[SchedulingRow]
+) -> dict[str, Any]:
+    """The figures the design note quotes, with pdgate / vLLM Router ratios."""
+    out: dict[str, Any] = {"overhead": {}, "scheduling": {}}
+    for mode in _ordered(r.mode for r in over):
+        by_kind = {r.kind: r for r in over if r.mode == mode}
+        pd, vl = by_kind.get("pdgate"), by_kind.get("vllm-router")
+        entry: dict[str, Any] = {k: asdict(v) for k, v in by_kind.items()}
+        if pd is not None and vl is not None:
+            entry["ratio_pdgate_over_vllm_router"] = {
+                "added_p50": ratio(pd.added_p50, vl.added_p50),
+                "added_p99": ratio(pd.added_p99, vl.added_p99),
+                "max_rps": ratio(pd.max_rps, vl.max_rps),
+                "cpu_per_1k": ratio(pd.cpu_per_1k, vl.cpu_per_1k),
+                "peak_rss": ratio(pd.peak_rss_mib, vl.peak_rss_mib),
+            }
+        out["overhead"][mode] = entry
+    for mode in _ordered(r.mode for r in sched):
+        for workload in _ordered(r.workload for r in sched if r.mode == mode):
+            rows = [r for r in sched if r.mode == mode and r.workload == workload]
+            best = best_pdgate(rows, mode, workload)
+            entry = {"rows": [asdict(r) for r in rows],
+                     "pdgate_best": None if best is None else best.router}
+            for peer in rows:
+                if best is not None and peer.kind != "pdgate":
+                    entry[f"ttft_p50_ratio_vs_{peer.router}"] = ratio(best.ttft_p50, peer.ttft_p50)
+            out["scheduling"][f"{mode}/{workload}"] = entry
+    return out
+
+
+def _ordered(items: Iterable[str]) -> list[str]:
+    seen: dict[str, None] = {}
+    for item in items:
+        seen.setdefault(item, None)
+    return list(seen)

@@ -1,0 +1,243 @@
+"""The Markdown report: medians and ratios, never a lone absolute time without its floor."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from benchmarks.figures import (
+    OverheadRow,
+    SchedulingRow,
+    SweepPoint,
+    best_pdgate,
+)
+from benchmarks.stats import ratio
+
+MODE_TITLE = {"agg": "non-PD (aggregated pods)", "pd": "PD (prefill/decode pairs, NIXL handles)"}
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1e3:.2f}"
+
+
+def _num(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value * 100:.1f}%"
+
+
+def _x(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _minus(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a - b
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return lines
+
+
+def render(
+    meta: dict[str, Any],
+    overhead: Sequence[OverheadRow],
+    sweep: Sequence[SweepPoint],
+    scheduling: Sequence[SchedulingRow],
+    plots: Sequence[str],
+) -> str:
+    out: list[str] = [
+        f"# pdgate benchmark: {meta['date']} ({meta['preset']})",
+        "",
+        f"One run on one machine ({meta['machine']}), every router on the same simulated "
+        f"pods with the same seeded request sequence (seed {meta['seed']}). Absolute times "
+        "are of a shared, noisy 2-core machine: read the ratios. Took "
+        f"{meta['elapsed_s']:.0f} s. Peers: {meta['peers']}.",
+        "",
+    ]
+    if meta.get("skipped"):
+        out += ["**Skipped (time budget or failure):** " + "; ".join(meta["skipped"]), ""]
+    out += _headline_section(overhead, scheduling)
+    out += _overhead_section(overhead)
+    out += _sweep_section(sweep)
+    out += _scheduling_section(scheduling)
+    out += _resources_section(overhead, scheduling)
+    if plots:
+        out += ["## Plots", ""]
+        out += [f"![{name}]({name})" for name in plots]
+        out.append("")
+    out += ["## Method", "", *meta.get("method", []), ""]
+    return "\n".join(out)
+
+
+def _headline_section(
+    over: Sequence[OverheadRow], sched: Sequence[SchedulingRow]
+) -> list[str]:
+    out = ["## Headline figures", ""]
+    for mode in dict.fromkeys(r.mode for r in over):
+        by_kind = {r.kind: r for r in over if r.mode == mode}
+        pd, vl = by_kind.get("pdgate"), by_kind.get("vllm-router")
+        if pd is None or vl is None:
+            continue
+        out.append(
+            f"- Overhead, {MODE_TITLE.get(mode, mode)}: added latency over direct p50/p99 "
+            f"pdgate {_ms(pd.added_p50)}/{_ms(pd.added_p99)} ms, vLLM Router "
+            f"{_ms(vl.added_p50)}/{_ms(vl.added_p99)} ms (pdgate minus vLLM Router, E2E "
+            f"p50/p99: {_ms(_minus(pd.e2e_p50, vl.e2e_p50))}/"
+            f"{_ms(_minus(pd.e2e_p99, vl.e2e_p99))} ms); max req/s at c=64 pdgate "
+            f"{_num(pd.max_rps, 0)}, vLLM Router {_num(vl.max_rps, 0)} "
+            f"(pdgate/vLLM Router {_x(ratio(pd.max_rps, vl.max_rps))}); CPU s/1k req "
+            f"{_num(pd.cpu_per_1k, 2)} vs {_num(vl.cpu_per_1k, 2)}; peak RSS "
+            f"{_num(pd.peak_rss_mib)} vs {_num(vl.peak_rss_mib)} MiB."
+        )
+    for mode in dict.fromkeys(r.mode for r in sched):
+        for workload in dict.fromkeys(r.workload for r in sched if r.mode == mode):
+            rows = [r for r in sched if r.mode == mode and r.workload == workload]
+            best = best_pdgate(rows, mode, workload)
+            if best is None:
+                continue
+            peers = "; ".join(
+                f"{r.router} {_ms(r.ttft_p50)}/{_ms(r.ttft_p90)} ms, {_pct(r.hit_rate)}"
+                for r in rows if r.kind != "pdgate"
+            )
+            out.append(
+                f"- `{workload}` ({MODE_TITLE.get(mode, mode).split(' (')[0]}), TTFT p50/p90 "
+                f"and prefix hit rate: best pdgate policy {best.router} "
+                f"{_ms(best.ttft_p50)}/{_ms(best.ttft_p90)} ms, {_pct(best.hit_rate)}; {peers}."
+            )
+    out.append("")
+    return out if len(out) > 3 else []
+
+
+def _overhead_section(rows: Sequence[OverheadRow]) -> list[str]:
+    if not rows:
+        return []
+    out = [
+        "## Overhead (`overhead` workload, `--fast` engines)",
+        "",
+        "E2E latency at low concurrency (pooled over interleaved rounds), added latency over "
+        "the direct floor, and the maximum sustained requests/s at concurrency 64 (closed loop, "
+        "median of rounds). CPU is the router process tree's user+system seconds per 1,000 "
+        "successful requests.",
+        "",
+    ]
+    for mode in dict.fromkeys(r.mode for r in rows):
+        mine = [r for r in rows if r.mode == mode]
+        direct = next((r for r in mine if r.kind == "direct"), None)
+        out += [f"### {MODE_TITLE.get(mode, mode)}", ""]
+        out += _table(
+            ["router", "E2E p50 ms", "E2E p99 ms", "added p50 ms", "added p99 ms",
+             "max req/s @64", "vs direct", "CPU s/1k req", "peak RSS MiB", "errors"],
+            [[r.router, _ms(r.e2e_p50), _ms(r.e2e_p99), _ms(r.added_p50), _ms(r.added_p99),
+              _num(r.max_rps, 0),
+              _x(ratio(r.max_rps, direct.max_rps if direct else None)),
+              _num(r.cpu_per_1k, 2), _num(r.peak_rss_mib), f"{r.errors}/{r.requests}"]
+             for r in mine],
+        )  # fmt: skip
+        pd = next((r for r in mine if r.kind == "pdgate"), None)
+        vl = next((r for r in mine if r.kind == "vllm-router"), None)
+        if pd and vl:
+            out += [
+                "",
+                f"pdgate / vLLM Router: added latency p50 {_x(ratio(pd.added_p50, vl.added_p50))}"
+                f", p99 {_x(ratio(pd.added_p99, vl.added_p99))}; max req/s "
+                f"{_x(ratio(pd.max_rps, vl.max_rps))}; CPU per request "
+                f"{_x(ratio(pd.cpu_per_1k, vl.cpu_per_1k))}; peak RSS "
+                f"{_x(ratio(pd.peak_rss_mib, vl.peak_rss_mib))}.",
+            ]
+        out.append("")
+    return out
+
+
+def _sweep_section(points: Sequence[SweepPoint]) -> list[str]:
+    if not points:
+        return []
+    out = ["## Throughput against offered load (open loop, Poisson, `overhead` workload)", ""]
+    for mode in dict.fromkeys(p.mode for p in points):
+        mine = [p for p in points if p.mode == mode]
+        routers = list(dict.fromkeys(p.router for p in mine))
+        levels = sorted(set(round(p.offered, 1) for p in mine))
+        out += [f"### {MODE_TITLE.get(mode, mode)}: achieved req/s (E2E p50 ms)", ""]
+        rows = []
+        for level in levels:
+            row = [f"{level:.0f}"]
+            for router in routers:
+                hit = next((p for p in mine
+                            if p.router == router and round(p.offered, 1) == level), None)
+                row.append("-" if hit is None else
+                           f"{hit.achieved:.0f} ({_ms(hit.e2e_p50)})"
+                           + (f" {hit.errors} err" if hit.errors else ""))
+            rows.append(row)
+        out += _table(["offered req/s", *routers], rows)
+        out.append("")
+    return out
+
+
+def _scheduling_section(rows: Sequence[SchedulingRow]) -> list[str]:
+    if not rows:
+        return []
+    out = [
+        "## Scheduling (engines with the latency model, small KV cache)",
+        "",
+        "TTFT at the first content chunk, client side. Prefix hit rate = "
+        "`vllm:prefix_cache_hits` / `vllm:prefix_cache_queries` (tokens) summed over the pods "
+        "that compute prompts (prefill pods in PD), read from the engines, so it means the "
+        "same thing for every router. Fresh pods for every run.",
+        "",
+    ]
+    for mode in dict.fromkeys(r.mode for r in rows):
+        for workload in dict.fromkeys(r.workload for r in rows if r.mode == mode):
+            mine = [r for r in rows if r.mode == mode and r.workload == workload]
+            best = best_pdgate(mine, mode, workload)
+            out += [f"### `{workload}`, {MODE_TITLE.get(mode, mode)}", ""]
+            out += _table(
+                ["router", "TTFT p50 ms", "TTFT p90 ms", "E2E p50 ms", "ITL p50 ms",
+                 "prefix hit rate", "req/s", "CPU s/1k req", "errors",
+                 *(["TTFT p50 vs best pdgate"] if best else [])],
+                [[r.router + (" **(best pdgate)**" if best and r is best else ""),
+                  _ms(r.ttft_p50), _ms(r.ttft_p90), _ms(r.e2e_p50), _ms(r.itl_p50),
+                  _pct(r.hit_rate), _num(r.throughput, 1), _num(r.cpu_per_1k, 2),
+                  f"{r.errors}/{r.requests}",
+                  *([_x(ratio(r.ttft_p50, best.ttft_p50))] if best else [])]
+                 for r in mine],
+            )  # fmt: skip
+            out.append("")
+    return out
+
+
+def _resources_section(over: Sequence[OverheadRow], sched: Sequence[SchedulingRow]) -> list[str]:
+    routers = list(dict.fromkeys([r.router for r in over if r.kind != "direct"]
+                                 + [r.router for r in sched]))
+    if not routers:
+        return []
+    rows = []
+    for router in routers:
+        o = [r for r in over if r.router == router]
+        s = [r for r in sched if r.router == router]
+        cpu_s = [r.cpu_per_1k for r in s if r.cpu_per_1k is not None]
+        rss = [r.peak_rss_mib for r in o if r.peak_rss_mib is not None]
+        rss += [r.peak_rss_mib for r in s if r.peak_rss_mib is not None]
+        rows.append([
+            router,
+            " / ".join(f"{r.mode}: {_num(r.cpu_per_1k, 2)}" for r in o) or "-",
+            _num(sum(cpu_s) / len(cpu_s), 2) if cpu_s else "-",
+            " / ".join(f"{r.mode}: {_num(r.idle_cpu_pct, 2)}" for r in o
+                       if r.idle_cpu_pct is not None) or "-",
+            _num(max(rss)) if rss else "-",
+        ])  # fmt: skip
+    return [
+        "## Router resources",
+        "",
+        "CPU seconds per 1,000 requests (router process and children, psutil; in the "
+        "scheduling runs, at a few requests per second, background work such as pdgate's "
+        "engine-metrics scraping weighs in), CPU with no traffic, and peak resident memory "
+        "over the router's life (sampled every 200 ms, or the kernel's high-water mark if "
+        "larger).",
+        "",
+        *_table(["router", "CPU s/1k, overhead", "CPU s/1k, scheduling (mean)",
+                 "idle CPU % of a core", "peak RSS MiB"], rows),
+        "",
+    ]

@@ -1,0 +1,119 @@
+"""The benchmark's figures, Markdown and plots from synthetic runs (no processes started)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from benchmarks import figures, plots, report
+from benchmarks.cluster import PrefixCounters
+from benchmarks.results import RouterResources, RunRecord, read_raw, write_raw
+from benchmarks.specs import RequestResult
+from benchmarks.stats import percentile, ratio
+
+
+def _results(e2e_ms: float, count: int = 50, ttft_ms: float | None = None) -> list[RequestResult]:
+    return [
+        RequestResult(i, 0, i * 0.01, e2e=(e2e_ms + i % 5) / 1e3,
+                      ttft=None if ttft_ms is None else (ttft_ms + i % 5) / 1e3, itl=[0.01])
+        for i in range(count)
+    ]  # fmt: skip
+
+
+def _runs() -> list[RunRecord]:
+    runs = []
+    for kind, policy, e2e, rps in (("direct", None, 2.0, 1000), ("pdgate", "prefix-cache", 4.0,
+                                   600), ("vllm-router", "round_robin", 3.0, 800)):
+        name = kind if policy is None else f"{kind} ({policy})"
+        for round_index in range(2):
+            runs.append(RunRecord("overhead-latency", "pd", name, kind, policy, "overhead",
+                                  round_index, 4, wall=1.0, results=_results(e2e),
+                                  router_cpu_s=None if kind == "direct" else 0.05))
+            runs.append(RunRecord("overhead-throughput", "pd", name, kind, policy, "overhead",
+                                  round_index, 64, wall=rps / 1000 * 0.05 * 1000 / rps,
+                                  results=_results(e2e, count=50),
+                                  router_cpu_s=None if kind == "direct" else 0.02))
+        runs.append(RunRecord("sweep", "pd", name, kind, policy, "overhead", 0, None, 100.0,
+                              wall=1.0, results=_results(e2e)))
+    for name, kind, policy, ttft, hits in (
+        ("pdgate (prefix-cache)", "pdgate", "prefix-cache", 80.0, 900.0),
+        ("pdgate (least-request)", "pdgate", "least-request", 400.0, 400.0),
+        ("vllm-router (cache_aware)", "vllm-router", "cache_aware", 90.0, 900.0),
+    ):
+        runs.append(RunRecord("scheduling", "pd", name, kind, policy, "shared-prefix", 0, 4,
+                              wall=5.0, results=_results(ttft + 100, ttft_ms=ttft),
+                              router_cpu_s=0.1, prefix=PrefixCounters(1000.0, hits)))
+    return runs
+
+
+RESOURCES = [
+    RouterResources("pdgate (prefix-cache)", "pd", "overhead", 80 << 20, 1.0),
+    RouterResources("vllm-router (round_robin)", "pd", "overhead", 100 << 20, 0.0),
+]
+
+
+def test_percentile_interpolates_like_numpy() -> None:
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == pytest.approx(2.5)
+    assert percentile([5.0], 99) == 5.0
+    assert percentile([], 50) is None
+
+
+def test_ratio_refuses_non_positive_values() -> None:
+    assert ratio(2.0, 4.0) == 0.5
+    assert ratio(-1.0, 4.0) is None and ratio(1.0, 0.0) is None and ratio(None, 1.0) is None
+
+
+def test_overhead_rows_subtract_the_direct_floor() -> None:
+    rows = {r.kind: r for r in figures.overhead_rows(_runs(), RESOURCES)}
+    assert rows["direct"].added_p50 == pytest.approx(0.0)
+    assert rows["pdgate"].added_p50 == pytest.approx(0.002)
+    assert rows["vllm-router"].added_p50 == pytest.approx(0.001)
+    assert rows["pdgate"].peak_rss_mib == pytest.approx(80.0)
+    assert rows["pdgate"].idle_cpu_pct == 1.0
+    # 4 runs x 0.05/0.02 s of CPU over 200 ok requests
+    assert rows["pdgate"].cpu_per_1k == pytest.approx((0.05 + 0.02) * 2 / 200 * 1000)
+
+
+def test_best_pdgate_policy_is_the_lowest_ttft_p50() -> None:
+    rows = figures.scheduling_rows(_runs(), RESOURCES)
+    best = figures.best_pdgate(rows, "pd", "shared-prefix")
+    assert best is not None and best.router == "pdgate (prefix-cache)"
+    assert best.hit_rate == pytest.approx(0.9)
+
+
+def test_report_and_plots_render(tmp_path: Path) -> None:
+    runs = _runs()
+    over = figures.overhead_rows(runs, RESOURCES)
+    sweep = figures.sweep_points(runs)
+    sched = figures.scheduling_rows(runs, RESOURCES)
+    palette = plots.Palette([r.router for r in runs])
+    drawn = [
+        name for name, ok in (
+            ("overhead.png", plots.plot_overhead(over, tmp_path / "overhead.png", palette)),
+            ("ttft.png", plots.plot_cdfs(runs, "ttft", tmp_path / "ttft.png", palette)),
+            ("sweep.png", plots.plot_sweep(sweep, tmp_path / "sweep.png", palette)),
+            ("cpu.png", plots.plot_cpu(over, sched, tmp_path / "cpu.png", palette)),
+            ("hits.png", plots.plot_hit_rate(sched, tmp_path / "hits.png", palette)),
+        ) if ok
+    ]  # fmt: skip
+    assert len(drawn) == 5
+    assert all((tmp_path / name).stat().st_size > 1000 for name in drawn)
+    meta = {"date": "2026-01-01", "preset": "test", "machine": "m", "seed": 0,
+            "elapsed_s": 1.0, "peers": "p", "skipped": [], "method": ["- m"]}
+    text = report.render(meta, over, sweep, sched, drawn)
+    assert "## Headline figures" in text
+    assert "pdgate / vLLM Router" in text and "90.0%" in text
+    headline = figures.headline(over, sched)
+    assert headline["overhead"]["pd"]["ratio_pdgate_over_vllm_router"]["added_p50"] == (
+        pytest.approx(2.0)
+    )
+
+
+def test_raw_json_round_trips(tmp_path: Path) -> None:
+    runs = _runs()
+    path = tmp_path / "raw" / "runs.json"
+    write_raw(path, {"date": "d"}, runs, RESOURCES)
+    meta, again, resources = read_raw(path)
+    assert meta == {"date": "d"} and resources == RESOURCES
+    assert [r.header() for r in again] == [r.header() for r in runs]

@@ -13,11 +13,10 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine_sim.ports import wait_http
 from router.sources.files import load_directory
 from router.view import ClusterView, Endpoint
 
@@ -97,7 +96,7 @@ class LocalCluster:
                 ]
             )
         for spec in self.pods:
-            _wait_http(f"{spec.endpoint.base_url}/health")
+            wait_http(f"{spec.endpoint.base_url}/health", STARTUP_TIMEOUT_SECONDS)
         self._spawn(
             [
                 sys.executable, "-m", "router", "serve",
@@ -106,7 +105,7 @@ class LocalCluster:
                 "--port", str(self.router_port),
             ]
         )
-        _wait_http(f"{self.router_url}/readyz")
+        wait_http(f"{self.router_url}/readyz", STARTUP_TIMEOUT_SECONDS)
 
     def _spawn(self, argv: list[str]) -> None:
         output = subprocess.DEVNULL if self.quiet else None
@@ -134,18 +133,4 @@ class LocalCluster:
         with contextlib.suppress(KeyboardInterrupt):
             while all(process.poll() is None for process in self._processes):
                 time.sleep(0.5)
-
-
-def _wait_http(url: str, timeout: float = STARTUP_TIMEOUT_SECONDS) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                if response.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{url} did not become ready in {timeout:.0f} s")
-        time.sleep(0.1)
 

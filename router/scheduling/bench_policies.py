@@ -32,7 +32,6 @@ import contextlib
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -50,6 +49,7 @@ import uvicorn
 import yaml
 
 from engine_sim.block_hash import hash_prompt_blocks
+from engine_sim.ports import common_free_port as free_port
 from engine_sim.tokenizer import Tokenizer, render_chat
 from router.scheduling.config import SchedulerConfig, parse_scheduler_config
 from router.scheduling.runtime import SchedulerRuntime
@@ -209,26 +209,6 @@ class PodPlan:
     @property
     def key(self) -> str:
         return f"default/{self.name}"
-
-
-def _can_bind(host: str, port: int) -> bool:
-    with socket.socket() as probe:
-        try:
-            probe.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port(hosts: Sequence[str] = ("127.0.0.1",)) -> int:
-    """A port free on every one of `hosts` (the pods of one server share their port)."""
-    for _ in range(200):
-        with socket.socket() as probe:
-            probe.bind((hosts[0], 0))
-            port = int(probe.getsockname()[1])
-        if all(_can_bind(host, port) for host in hosts[1:]):
-            return port
-    raise RuntimeError("no common free port")
 
 
 def _write_yaml(path: Path, docs: Sequence[Any]) -> None:

@@ -9,11 +9,9 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterable, Sequence
@@ -22,42 +20,10 @@ from pathlib import Path
 
 import yaml
 
+from engine_sim.ports import common_free_port as free_port
+from engine_sim.ports import wait_http
+
 API_VERSION = "networking.serving.volcano.sh/v1alpha1"
-READY_TIMEOUT_SECONDS = 30.0
-
-
-def free_port(hosts: Sequence[str] = ("127.0.0.1",)) -> int:
-    """A port free on every one of `hosts` (pods of one server share a port)."""
-    for _ in range(200):
-        with socket.socket() as probe:
-            probe.bind((hosts[0], 0))
-            port = int(probe.getsockname()[1])
-        if all(_can_bind(host, port) for host in hosts[1:]):
-            return port
-    raise RuntimeError("no common free port")
-
-
-def _can_bind(host: str, port: int) -> bool:
-    with socket.socket() as probe:
-        try:
-            probe.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
-def wait_http(url: str, timeout: float = READY_TIMEOUT_SECONDS) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                if response.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{url} not ready after {timeout} s")
-        time.sleep(0.05)
 
 
 def get_json(url: str) -> object:

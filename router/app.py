@@ -116,7 +116,7 @@ class PDGateApp:
                 work = self._admitted(parsed, headers, out, model)
             else:
                 work = state.proxy.serve(parsed, headers, out)
-            await _until_disconnect(work, receive)
+            await _until_disconnect(work, receive, out)
         except APIError as exc:
             if not out.started:
                 await out.error(exc)
@@ -165,31 +165,38 @@ async def _read_body(receive: Receive, limit: int) -> bytes | None:
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-async def _until_disconnect(work: Awaitable[None], receive: Receive) -> None:
-    """Run `work`, cancelling it if the client disconnects meanwhile."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_disconnect(receive))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()
-        watcher.cancel()
-        raise
-    if task.done():
-        watcher.cancel()
-        task.result()
-        return
-    task.cancel()
-    try:
-        await task
-    except asyncio.CancelledError:
-        pass
-    raise ClientGone
+async def _until_disconnect(work: Awaitable[None], receive: Receive, out: Responder) -> None:
+    """Run `work` in this task while a watcher task listens on `receive()`.
 
+    uvicorn reports a disconnect only through `receive()`. One that comes before the
+    response is finished cancels this task, which cancels prefill and decode upstream and
+    releases every counter on the way out. (uvicorn also answers `http.disconnect` once
+    the response is finished: that is no client gone, and the clean-up left runs.)
+    Running `work` here rather than in a task of its own keeps one task per request off
+    the hot path.
+    """
+    this = asyncio.current_task()
+    assert this is not None
+    gone = False
 
-async def _wait_disconnect(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
+    async def watch() -> None:
+        nonlocal gone
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        if not out.finished:
+            gone = True
+            this.cancel()
+
+    watcher = asyncio.get_running_loop().create_task(watch())
+    try:
+        await work
+    except asyncio.CancelledError:
+        if not gone:
+            raise
+        this.uncancel()
+        raise ClientGone from None
+    finally:
+        watcher.cancel()
 
 
 def build_control_plane(state: AppState, ops: bool = True) -> FastAPI:

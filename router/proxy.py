@@ -73,11 +73,12 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 class Responder:
     """Wraps the ASGI `send`, remembering whether the client has seen any byte."""
 
-    __slots__ = ("_send", "started", "status")
+    __slots__ = ("_send", "finished", "started", "status")
 
     def __init__(self, send: Send) -> None:
         self._send = send
         self.started = False
+        self.finished = False  # the last body chunk went out
         self.status = 0
 
     async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
@@ -86,6 +87,7 @@ class Responder:
         await self._send({"type": "http.response.start", "status": status, "headers": headers})
 
     async def body(self, data: bytes, more: bool = False) -> None:
+        self.finished = not more
         await self._send({"type": "http.response.body", "body": data, "more_body": more})
 
     async def error(self, error: APIError, request_id: str | None = None) -> None:

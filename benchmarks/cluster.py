@@ -19,7 +19,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Final, Literal
 
-from benchmarks.procs import ManagedProcess, free_shared_port
+from benchmarks.procs import ManagedProcess
+from engine_sim.ports import common_free_port as free_shared_port
 
 MODEL: Final = "bench-model"
 SERVER_NAME: Final = "bench"

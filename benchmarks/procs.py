@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -114,31 +113,6 @@ def http_ok(url: str, timeout: float = 2.0) -> bool:
             return bool(response.status == 200)
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
         return False
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on `host` now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
-def free_shared_port(hosts: Sequence[str], attempts: int = 50) -> int:
-    """A port free on every one of `hosts` (pods of one ModelServer share their port)."""
-    for _ in range(attempts):
-        port = free_port(hosts[0])
-        if all(_bindable(host, port) for host in hosts[1:]):
-            return port
-    raise RuntimeError(f"no common free port on {list(hosts)} after {attempts} attempts")
-
-
-def _bindable(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 def _tree(pid: int) -> list[psutil.Process]:

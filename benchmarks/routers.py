@@ -22,8 +22,9 @@ from types import TracebackType
 from typing import Final, Literal
 
 from benchmarks.cluster import Mode, SimCluster
-from benchmarks.procs import ManagedProcess, ResourceMeter, free_port
+from benchmarks.procs import ManagedProcess, ResourceMeter
 from benchmarks.targets import DirectPDTarget, HTTPTarget, Target
+from engine_sim.ports import free_port
 
 Kind = Literal["direct", "pdgate", "vllm-router", "sglang-router"]
 ROUTER_STARTUP_SECONDS: Final = 60.0

@@ -87,10 +87,6 @@ def gateway_timeout(message: str = "The request timed out upstream.") -> APIErro
     return APIError(504, message, type="timeout", code="upstream_timeout")
 
 
-def not_found(path: str) -> APIError:
-    return APIError(404, f"Unknown path `{path}`.", code="not_found")
-
-
 def method_not_allowed(method: str) -> APIError:
     return APIError(405, f"Method {method} is not allowed here.", code="method_not_allowed")
 

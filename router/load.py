@@ -8,9 +8,6 @@ read the same numbers.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 from prometheus_client import CollectorRegistry, Gauge
 
 from router.view import Endpoint
@@ -48,16 +45,6 @@ class InFlight:
         else:
             self._counts.pop(key, None)
         self._child(endpoint).dec()
-
-    @contextmanager
-    def holding(self, *endpoints: Endpoint) -> Iterator[None]:
-        for endpoint in endpoints:
-            self.acquire(endpoint)
-        try:
-            yield
-        finally:
-            for endpoint in endpoints:
-                self.release(endpoint)
 
     def _child(self, endpoint: Endpoint) -> Gauge:
         label = (endpoint.key, endpoint.role)

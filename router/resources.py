@@ -4,8 +4,6 @@ ModelRoute and ModelServer belong to `networking.serving.volcano.sh/v1alpha1`; P
 plain Kubernetes Pod manifests. Every source (YAML directory, Kubernetes watch) turns a
 raw object into one of these with `parse_object`, which raises `InvalidObject` with the
 object's name and the reason instead of guessing.
-
-INTERFACE CONTRACT (helpers implement the parsing below; the dataclasses are fixed).
 """
 
 from __future__ import annotations

@@ -5,8 +5,6 @@ Sources (the YAML directory, the Kubernetes watch) write raw objects into a
 with one assignment, so a request holds a consistent picture for its whole life and a
 change never disturbs requests already in flight. Routing code reads only snapshots, so
 it cannot tell which source fed them.
-
-INTERFACE CONTRACT (helpers implement; names and fields are fixed).
 """
 
 from __future__ import annotations

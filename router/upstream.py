@@ -48,6 +48,8 @@ class Upstream:
                 # total of 300 s would cut long streams.
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_SECONDS),
                 skip_auto_headers=("User-Agent",),
+                # Engines set no cookies; a real jar filters cookies on every request.
+                cookie_jar=aiohttp.DummyCookieJar(),
             )
         return self._session
 
@@ -69,16 +71,11 @@ class Upstream:
 
         Non-2xx answers are read (bounded), released and raised as `UpstreamError`.
         """
-        timeout = _remaining(deadline, phase, pod)
+        _remaining(deadline, phase, pod)  # fail fast once the deadline has passed
         try:
-            response = await self.session.post(
-                pod.base_url + path,
-                data=body,
-                headers=headers,
-                timeout=aiohttp.ClientTimeout(
-                    total=None, sock_connect=min(CONNECT_TIMEOUT_SECONDS, timeout)
-                ),
-            )
+            # The session's timeout (connect only) applies; the caller's deadline bounds
+            # the rest, so no timeout object is built per call.
+            response = await self.session.post(pod.base_url + path, data=body, headers=headers)
         except TimeoutError:
             raise UpstreamError(
                 "timeout", "The engine did not answer in time.", retryable=True,

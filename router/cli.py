@@ -27,7 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     source.add_argument("--config", type=Path, help="directory of YAML objects")
     source.add_argument("--kubernetes", action="store_true", help="watch a cluster")
     scope = serve.add_mutually_exclusive_group()
-    scope.add_argument("--namespace", help="watch one namespace")
+    scope.add_argument(
+        "--namespace", help="watch one namespace (default: the pod's, else the kubeconfig's)"
+    )
     scope.add_argument("--all-namespaces", action="store_true", help="watch every namespace")
     serve.add_argument("--kubeconfig", help="kubeconfig path (default: in-cluster, then ~)")
     serve.add_argument("--scheduler-config", type=Path, help="scheduler YAML (hot-reloaded)")
@@ -145,10 +147,15 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"pdgate serve: {exc}", file=sys.stderr)
         return 2
+    namespace = None if args.all_namespaces else args.namespace
+    if args.kubernetes and namespace is None and not args.all_namespaces:
+        from router.sources.kube_api import default_namespace
+
+        namespace = default_namespace(args.kubeconfig)  # as kubectl: the pod's or context's
     config = RouterConfig(
         config_dir=args.config,
         kubernetes=args.kubernetes,
-        namespace=None if args.all_namespaces else args.namespace,
+        namespace=namespace,
         kubeconfig=args.kubeconfig,
         scheduler_config=args.scheduler_config,
         resilience=resilience,

@@ -1,6 +1,6 @@
 """Builders for the raw objects the fake API server stores (ModelRoute, ModelServer, Pod).
 
-Defaults follow Kthena's PD example (/work/shared/fixtures/kthena-pd-example.yaml): pods
+Defaults follow Kthena's PD example (tests/fixtures/kthena-pd-example.yaml): pods
 labelled `modelserving.volcano.sh/name=<server>`, `.../group-name=<group>` and
 `.../role=prefill|decode`, serving on port 7100.
 """

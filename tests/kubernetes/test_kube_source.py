@@ -448,12 +448,15 @@ async def test_event_posting_refused_is_counted_not_fatal(
     assert running.metric(RESTARTS, resource="modelservers", reason="http_error") >= 1
     fake_apiserver.token = "fake-token"
     await wait_until(lambda: running.source.synced)
+    # `synced` turns true after the LIST; the WATCH request follows it. Rotating the token
+    # before that request arrives would refuse the watch too and nothing would ever be
+    # delivered, so wait for the open watch the bad object must travel on.
+    await wait_until(lambda: fake_apiserver.open_watches("modelservers") == 1)
     fake_apiserver.token = "rotated"
     bad = model_server("broken", engine="TensorRT")
     fake_apiserver.create(bad)  # the open watch still delivers it
     await wait_until(
-        lambda: running.metric("pdgate_kubernetes_events_total", result="failed") == 1,
-        within_s=20,  # a loaded CI machine; the default 5 s was seen to run out
+        lambda: running.metric("pdgate_kubernetes_events_total", result="failed") == 1
     )
     assert running.metric(INVALID, kind="ModelServer") == 1 and not running.task.done()
 

@@ -18,14 +18,11 @@ import pytest
 import yaml
 
 from router.resources import InvalidObject, parse_object
+from tests.fixtures import KTHENA_PD_EXAMPLE
 
 REPO = Path(__file__).resolve().parents[2]
 CRDS = sorted((REPO / "deploy" / "crds").glob("*.yaml"))
-FIXTURE = next(
-    (p for p in (REPO.parent / "shared" / "fixtures" / "kthena-pd-example.yaml",
-                 Path("/work/shared/fixtures/kthena-pd-example.yaml")) if p.exists()),
-    REPO / "config" / "kthena-pd-example.yaml",
-)
+FIXTURE = KTHENA_PD_EXAMPLE
 JUNCTORS = ("allOf", "anyOf", "oneOf", "not")
 INT32 = (-(2**31), 2**31 - 1)
 

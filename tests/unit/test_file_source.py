@@ -16,10 +16,11 @@ from router.resources import API_VERSION
 from router.sources.base import Source
 from router.sources.files import DirectoryReader, FileSource, load_directory
 from router.view import ClusterView, Snapshot
+from tests.fixtures import KTHENA_PD_EXAMPLE
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "config"
-FIXTURE = Path("/work/shared/fixtures/kthena-pd-example.yaml")
+FIXTURE = KTHENA_PD_EXAMPLE
 
 ROUTE = f"""
 apiVersion: {API_VERSION}

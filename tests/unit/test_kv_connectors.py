@@ -11,13 +11,10 @@ import copy
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-# Submodule imports: they also work while the editable install still maps the package
-# as a namespace (created before `kv_connectors/__init__.py` existed).
 from kv_connectors.base import Handoff, KVConnector, PDCall, PodAddress, UpstreamError
 from kv_connectors.factory import get_connector
 from kv_connectors.http import HTTPConnector
@@ -26,7 +23,11 @@ from kv_connectors.mooncake_vllm import MooncakeVllmConnector
 from kv_connectors.nixl import NixlConnector
 from kv_connectors.sglang import SGLangConnector
 
-PEER_WIRE = Path("/work/shared/fixtures/peer-wire/vllm-router-0.1.17-nixl-nonstream.jsonl")
+# Submodule imports: they also work while the editable install still maps the package
+# as a namespace (created before `kv_connectors/__init__.py` existed).
+from tests.fixtures import VLLM_ROUTER_NIXL_WIRE
+
+PEER_WIRE = VLLM_ROUTER_NIXL_WIRE
 
 NULL_PREFILL_PARAMS = {
     "do_remote_decode": True,

@@ -25,8 +25,9 @@ from router.resources import (
     parse_duration,
     parse_object,
 )
+from tests.fixtures import KTHENA_PD_EXAMPLE
 
-FIXTURE = Path("/work/shared/fixtures/kthena-pd-example.yaml")
+FIXTURE = KTHENA_PD_EXAMPLE
 CONFIG_EXAMPLE = Path(__file__).resolve().parents[2] / "config" / "kthena-pd-example.yaml"
 
 

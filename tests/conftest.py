@@ -2,6 +2,7 @@
 
 - `mooncake_master` (session): a running `MooncakeMaster`; skips the test when the Mooncake
   library cannot be imported.
+- every `openai.AsyncOpenAI` a test makes is closed when the test ends (autouse; why below).
 - `sim_pod` (function) / `sim_pod_session` (session): factories
   `start(role="both", model=DEFAULT_MODEL, *, mooncake=None, **flags) -> SimPod` that run
   `python -m engine_sim` as a subprocess on a free port and wait for `/health`. Flags map
@@ -19,11 +20,12 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 
 from engine_sim.kvstore import mooncake_import_error
@@ -206,3 +208,33 @@ def sim_pod_session(
 def start_sim_pod(sim_pod: Callable[..., SimPod]) -> Callable[..., SimPod]:
     """Alias of `sim_pod` under the factory's own name."""
     return sim_pod
+
+
+# An AsyncOpenAI client left to the garbage collector is closed by a task its `__del__`
+# schedules, after the cyclic collector may already have closed its sockets. asyncio's
+# transport then removes the reader of the fd number it cached, which by then belongs to a
+# new connection of a later test: that connection's response is never read and the test
+# hangs until pytest-timeout (seen as 24 concurrent PD requests "not finishing" while the
+# router had answered all of them). So every client a test makes is closed, in order, at
+# the end of that test.
+_open_clients: list[openai.AsyncOpenAI] = []
+_client_init = openai.AsyncOpenAI.__init__
+
+
+def _tracked_init(self: openai.AsyncOpenAI, *args: Any, **kwargs: Any) -> None:
+    _client_init(self, *args, **kwargs)
+    _open_clients.append(self)
+
+
+openai.AsyncOpenAI.__init__ = _tracked_init  # type: ignore[method-assign]
+
+
+@pytest.fixture(autouse=True)
+async def _close_openai_clients() -> AsyncIterator[None]:
+    """Close the AsyncOpenAI clients made during the test (see the comment above)."""
+    yield
+    clients = _open_clients[:]
+    _open_clients.clear()
+    for client in clients:
+        if not client.is_closed():
+            await client.close()

@@ -50,7 +50,7 @@ class ChatTemplateError(ValueError):
 class _Generation(jinja2.ext.Extension):
     """`{% generation %}...{% endgeneration %}`: transformers' assistant-mask tag."""
 
-    tags = {"generation"}  # noqa: RUF012
+    tags = {"generation"}
 
     def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
         lineno = next(parser.stream).lineno
@@ -92,7 +92,7 @@ class _TemplateDict:
 
 
 class _Namespace(jinja2.utils.Namespace):
-    def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 (Jinja's own trick)
+    def __init__(*args: Any, **kwargs: Any) -> None:  # Jinja's own signature trick
         self, rest = args[0], args[1:]
         attrs = dict(*rest, **kwargs)
         for name in attrs:
@@ -165,7 +165,9 @@ def _aliases(root: jinja2.nodes.Template, name: str) -> list[str]:
     return found
 
 
-def _loop_targets(root: jinja2.nodes.Template, sources: list[str], key: str | None) -> Iterator[str]:
+def _loop_targets(
+    root: jinja2.nodes.Template, sources: list[str], key: str | None
+) -> Iterator[str]:
     for loop in root.find_all(jinja2.nodes.For):
         if isinstance(loop.target, jinja2.nodes.Name) and any(
             _reads(loop.iter, source, key) for source in sources

@@ -129,7 +129,9 @@ class ModelTokenizer:
         self._fix_special_tokens()
         added = [t.content for t in backend.get_added_tokens_decoder().values()]
         added.sort(key=len, reverse=True)
-        self._added_ids = {text: backend.token_to_id(text) for text in added}
+        self._added_ids: dict[str, int] = {
+            text: found for text in added if (found := _id_of(backend, text)) is not None
+        }
         self._splitter = (
             re.compile("(" + "|".join(map(re.escape, added)) + ")") if added else None
         )
@@ -201,19 +203,19 @@ class ModelTokenizer:
             and backend.post_processor is not None
         ):
             return
-        bos, eos = config.bos_token, config.eos_token
-        add_bos = bool(config.add_bos_token) and bos is not None
-        add_eos = bool(config.add_eos_token) and eos is not None
-        single = f"{bos + ':0 ' if add_bos else ''}$A:0{' ' + eos + ':0' if add_eos else ''}"
-        pair = (
-            f"{single}{' ' + bos + ':1' if add_bos else ''} $B:1"
-            f"{' ' + eos + ':1' if add_eos else ''}"
-        )
+        bos_id = _id_of(backend, config.bos_token) if config.add_bos_token else None
+        eos_id = _id_of(backend, config.eos_token) if config.add_eos_token else None
+        head = f"{config.bos_token}:0 " if bos_id is not None else ""
+        tail = f" {config.eos_token}:0" if eos_id is not None else ""
+        head_b = f" {config.bos_token}:1" if bos_id is not None else ""
+        tail_b = f" {config.eos_token}:1" if eos_id is not None else ""
+        single = f"{head}$A:0{tail}"
+        pair = f"{single}{head_b} $B:1{tail_b}"
         special: list[tuple[str, int]] = []
-        if add_bos and bos is not None:
-            special.append((bos, backend.token_to_id(bos)))
-        if add_eos and eos is not None:
-            special.append((eos, backend.token_to_id(eos)))
+        if bos_id is not None and config.bos_token is not None:
+            special.append((config.bos_token, bos_id))
+        if eos_id is not None and config.eos_token is not None:
+            special.append((config.eos_token, eos_id))
         backend.post_processor = processors.TemplateProcessing(
             single=single, pair=pair, special_tokens=special
         )
@@ -245,7 +247,8 @@ class ModelTokenizer:
         for i, piece in enumerate(pieces):
             if i % 2:  # an added token
                 out.append((added[piece],))
-            elif not piece:
+                continue
+            if not piece:
                 out.append(())
             else:
                 hit = self._pieces.get(piece) if len(piece) >= PIECE_MEMO_MIN_CHARS else None
@@ -257,14 +260,14 @@ class ModelTokenizer:
                 [pieces[i] for i in misses], add_special_tokens=False
             )
             for i, enc in zip(misses, encoded, strict=True):
-                ids = tuple(enc.ids)
-                out[i] = ids
+                fresh = tuple(enc.ids)
+                out[i] = fresh
                 if len(pieces[i]) >= PIECE_MEMO_MIN_CHARS:
-                    self._pieces.put(pieces[i], ids)
+                    self._pieces.put(pieces[i], fresh)
         result: list[int] = []
-        for ids in out:
-            if ids:
-                result.extend(ids)
+        for piece_ids in out:
+            if piece_ids:
+                result.extend(piece_ids)
         return tuple(result)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
@@ -424,6 +427,13 @@ class ModelTokenizer:
             "piece_entries": len(p), "piece_hits": p.hits, "piece_misses": p.misses,
             "text_entries": len(t), "text_hits": t.hits, "text_misses": t.misses,
         }
+
+
+def _id_of(backend: tokenizers.Tokenizer, token: str | None) -> int | None:
+    if token is None:
+        return None
+    found = backend.token_to_id(token)
+    return None if found is None else int(found)
 
 
 def _is_token(value: Any) -> bool:

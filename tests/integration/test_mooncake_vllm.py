@@ -20,7 +20,6 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from engine_sim.generation import expected_text
-from engine_sim.tokenizer import render_chat
 from tests.integration.harness import (
     SimCluster,
     SimPodSpec,
@@ -31,6 +30,7 @@ from tests.integration.harness import (
     pod_manifest,
     write_yaml,
 )
+from tests.sim_tokens import chat_ids
 
 pytestmark = pytest.mark.integration
 
@@ -162,7 +162,7 @@ async def test_chat_non_streaming_decode_reads_prefill_kv(cluster: Cluster) -> N
         model=MODEL, messages=messages, max_tokens=12
     )
     completion = raw.parse()
-    prompt = render_chat(list(messages))
+    prompt = chat_ids(list(messages))
     assert completion.choices[0].message.content == expected_text(
         prompt, 12, kv_from_store=True, model=MODEL
     )
@@ -202,7 +202,7 @@ async def test_chat_streaming_with_usage(cluster: Cluster) -> None:
         if chunk.usage is not None:
             usage = chunk.usage
     assert "".join(pieces) == expected_text(
-        render_chat(list(messages)), 20, kv_from_store=True, model=MODEL
+        chat_ids(list(messages)), 20, kv_from_store=True, model=MODEL
     )
     assert chunks >= 20
     assert usage is not None and usage.completion_tokens == 20

@@ -270,6 +270,10 @@ class ModelTokenizer:
                 result.extend(piece_ids)
         return tuple(result)
 
+    def vocab(self) -> dict[str, int]:
+        """Token string -> id, added tokens included."""
+        return dict(self._backend.get_vocab(with_added_tokens=True))
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return str(self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
 

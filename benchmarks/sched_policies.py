@@ -1,6 +1,6 @@
 """Scheduling policies side by side on simulated PD pods: prefix hit rate and TTFT.
 
-    .venv/bin/python -m router.scheduling.bench_policies [--groups 3] [--no-store] [--no-decision]
+    .venv/bin/python -m benchmarks.sched_policies [--groups 3] [--no-store] [--no-decision]
 
 One Mooncake master, G PD groups (one prefill and one decode `engine_sim` pod each, the
 latency model on, a small KV cache so that where a prompt goes decides whether it hits),
@@ -29,8 +29,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import os
 import random
+import re
 import signal
 import statistics
 import subprocess
@@ -50,10 +52,11 @@ import yaml
 
 from engine_sim.block_hash import hash_prompt_blocks
 from engine_sim.ports import common_free_port as free_port
-from engine_sim.tokenizer import Tokenizer, render_chat
+from engine_sim.prompts import DEFAULT_CHAT_TEMPLATE, DEFAULT_TOKENIZER
 from router.scheduling.config import SchedulerConfig, parse_scheduler_config
 from router.scheduling.runtime import SchedulerRuntime
 from router.state import AppState, RouterConfig
+from router.tokenization import CHAT_TEMPLATE_ANNOTATION, TOKENIZER_ANNOTATION, ModelTokenizer
 
 MODEL: Final = "sched-model"
 SERVER: Final = "sched-pd"
@@ -61,14 +64,23 @@ API_VERSION: Final = "networking.serving.volcano.sh/v1alpha1"
 BLOCK_SIZE: Final = 16
 CHAT_PATH: Final = "/v1/chat/completions"
 STARTUP_TIMEOUT_S: Final = 60.0
-#: Words of the synthetic text. The simulator's tokenizer makes one token of each word and
-#: one of each space: 7-letter words give 4 characters a token, about what real tokenizers
-#: give on English (and what `approximateIndex.charsPerToken` assumes).
-_WORDS: Final = tuple(
-    c1 + v1 + c2 + v2 + c3 + v3 + "n"
-    for c1 in "bdfgklmnprst" for v1 in "aeiou" for c2 in "kmnrst" for v2 in "aio"
-    for c3 in "lr" for v3 in "ae"
-)
+#: Words of the synthetic text: lower-case words of 6-8 letters that the simulator's real
+#: DeepSeek tokenizer makes ONE token of, leading space included, so a text of N words is
+#: N tokens (about 7 characters a token; `approximateIndex.charsPerToken` assumes 4).
+_WORD_COUNT: Final = 4096
+_WORD: Final = re.compile("\u0120[a-z]{6,8}")
+
+
+@functools.cache
+def sim_tokenizer() -> ModelTokenizer:
+    """The simulator's default tokenizer and template (what the pods and the router use)."""
+    return ModelTokenizer.load(DEFAULT_TOKENIZER, chat_template_file=DEFAULT_CHAT_TEMPLATE)
+
+
+@functools.cache
+def _words() -> tuple[str, ...]:
+    vocab = sim_tokenizer().vocab()
+    return tuple(sorted(t[1:] for t in vocab if _WORD.fullmatch(t))[:_WORD_COUNT])
 
 
 # -- workloads ------------------------------------------------------------------------------------
@@ -104,7 +116,7 @@ class Prompt:
 
 
 def _text(rng: random.Random, tokens: int) -> str:
-    return " ".join(rng.choices(_WORDS, k=max(1, tokens // 2)))
+    return " ".join(rng.choices(_words(), k=max(1, tokens)))
 
 
 def shared_prefix(spec: SharedPrefix) -> list[Prompt]:
@@ -135,12 +147,12 @@ def best_hit_tokens(prompts: Sequence[Prompt], block_size: int = BLOCK_SIZE) -> 
     The best any placement can do: one cache that never evicts. Counted like the engine
     counts (whole blocks, the last prompt token always computed).
     """
-    tokenizer = Tokenizer()
+    tokenizer = sim_tokenizer()
     seen: set[int] = set()
     hits = total = 0
     for prompt in prompts:
-        text = render_chat([{"role": r, "content": c} for r, c in prompt.messages])
-        ids = tokenizer.encode(text)
+        messages = [{"role": r, "content": c} for r, c in prompt.messages]
+        ids = tokenizer.chat_ids({"messages": messages})
         hashes = hash_prompt_blocks(ids, block_size)
         matched = 0
         for block_hash in hashes:
@@ -229,7 +241,10 @@ def _manifests(port: int, pods: Sequence[PodPlan]) -> list[dict[str, Any]]:
         },
         {
             "apiVersion": API_VERSION, "kind": "ModelServer",
-            "metadata": {"name": SERVER, "namespace": "default"},
+            "metadata": {"name": SERVER, "namespace": "default", "annotations": {
+                TOKENIZER_ANNOTATION: DEFAULT_TOKENIZER,
+                CHAT_TEMPLATE_ANNOTATION: str(DEFAULT_CHAT_TEMPLATE),
+            }},
             "spec": {
                 "inferenceEngine": "vLLM",
                 "workloadPort": {"port": port, "protocol": "http"},

@@ -5,8 +5,8 @@ What matters for token parity:
 - named special tokens (`bos_token`, `eos_token`, `unk_token`, `sep_token`, `pad_token`,
   `cls_token`, `mask_token`): a string or an AddedToken object `{"content": ...}`; the
   chat template sees them as variables (transformers' `special_tokens_map`);
-- `add_bos_token` / `add_eos_token`: when either key is present, transformers (v5) replaces
-  the tokenizer's post-processor with one that adds exactly those (so does this package);
+- `add_bos_token` / `add_eos_token`: read, but, as transformers v5 does when a
+  `tokenizer.json` exists, not applied (its post-processor decides, `tokenizer.py`);
 - chat templates: `chat_template` is a string or a list of `{"name", "template"}`; a
   `chat_template.jinja` file next to it replaces the default one and
   `additional_chat_templates/<name>.jinja` add named ones, as transformers loads them;

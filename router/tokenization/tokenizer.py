@@ -8,9 +8,10 @@ the BOS itself. Completions (`completion_ids`): a string prompt is encoded with
 `add_special_tokens` (default true), token ids pass through, and a batch gives one token
 list per prompt.
 
-Special tokens on encode: the tokenizer's post-processor, replaced (as transformers v5
-does) by one adding exactly `bos_token` / `eos_token` when `tokenizer_config.json` says
-`add_bos_token` / `add_eos_token`.
+Special tokens on encode: those `tokenizer.json`'s post-processor adds. transformers (v5)
+does the same: with a `tokenizer.json` it drops `add_bos_token` / `add_eos_token` from
+`tokenizer_config.json` (a checked-in `tokenizer.json` already encodes them), and so does
+this package; named special tokens missing from the vocabulary are added, as it does.
 
 Memo, exact by construction. The `tokenizers` library cuts a text at every added token
 (special or not) and encodes the pieces in between independently. When the tokenizer
@@ -35,7 +36,6 @@ from pathlib import Path
 from typing import Any, Final, Literal
 
 import tokenizers
-from tokenizers import processors
 
 from router.tokenization.config import TokenizerConfig, TokenizerConfigError
 from router.tokenization.messages import ChatInputError, conversation, tool_schemas
@@ -197,28 +197,6 @@ class ModelTokenizer:
         ]
         if missing:
             backend.add_special_tokens(missing)
-        if (
-            config.add_bos_token is None
-            and config.add_eos_token is None
-            and backend.post_processor is not None
-        ):
-            return
-        bos_id = _id_of(backend, config.bos_token) if config.add_bos_token else None
-        eos_id = _id_of(backend, config.eos_token) if config.add_eos_token else None
-        head = f"{config.bos_token}:0 " if bos_id is not None else ""
-        tail = f" {config.eos_token}:0" if eos_id is not None else ""
-        head_b = f" {config.bos_token}:1" if bos_id is not None else ""
-        tail_b = f" {config.eos_token}:1" if eos_id is not None else ""
-        single = f"{head}$A:0{tail}"
-        pair = f"{single}{head_b} $B:1{tail_b}"
-        special: list[tuple[str, int]] = []
-        if bos_id is not None and config.bos_token is not None:
-            special.append((config.bos_token, bos_id))
-        if eos_id is not None and config.eos_token is not None:
-            special.append((config.eos_token, eos_id))
-        backend.post_processor = processors.TemplateProcessing(
-            single=single, pair=pair, special_tokens=special
-        )
 
     # -- plain encode/decode --------------------------------------------------------------------
 

@@ -1,4 +1,5 @@
-# ruff: noqa: RUF001  (DeepSeek's markers use the fullwidth bar "｜" on purpose)
+# ruff: noqa: RUF001
+# (DeepSeek's markers use the fullwidth bar on purpose.)
 """router.tokenization: offline resolution, the renderer against transformers, memo exactness,
 and a missing or broken tokenizer reported without a crash."""
 

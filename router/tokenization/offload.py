@@ -1,11 +1,12 @@
 """Tokenizing requests off the event loop when they are big enough to stall it.
 
 Encoding is CPU work in the `tokenizers` library (Rust; it drops the GIL for part of the
-work). On these 2-core machines, with the real DeepSeek tokenizer (128k BPE) and nothing
-memoized, a chat prompt costs about 6 µs per token (1k tokens ≈ 6 ms, 8k ≈ 45 ms), while
-handing a job to a thread and back costs about 60-100 µs of loop time
-(`benchmarks/tokenization.py` measures both). So a prompt of more than
-`OFFLOAD_MIN_CHARS` characters (about 250 tokens, 1.5 ms cold) is tokenized on a small
+work). Measured on a 2-core machine under load (`benchmarks/tokenization.py`, p50), with
+the real DeepSeek tokenizer (128k BPE): a chat prompt with nothing memoized costs about
+2.7 µs per token (1k tokens 2.7 ms, 8k 27 ms; one bare `encode` of 8k tokens measured
+42-48 ms when the machine was busier); memoized, 0.2 ms (1k) and 0.5 ms (8k); handing a
+job to a thread and back costs about 130 µs of event-loop time. So a prompt of more than
+`OFFLOAD_MIN_CHARS` characters (about 250 tokens, ~0.7 ms cold) is tokenized on a small
 bounded pool (`TOKENIZE_THREADS` threads, at most `MAX_PENDING_JOBS` jobs queued, past
 which the caller tokenizes inline rather than queue without bound); smaller ones inline.
 """

@@ -29,10 +29,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import functools
 import os
 import random
-import re
 import signal
 import statistics
 import subprocess
@@ -50,13 +48,14 @@ import orjson
 import uvicorn
 import yaml
 
+from benchmarks.words import sim_tokenizer, single_token_words
 from engine_sim.block_hash import hash_prompt_blocks
 from engine_sim.ports import common_free_port as free_port
 from engine_sim.prompts import DEFAULT_CHAT_TEMPLATE, DEFAULT_TOKENIZER
 from router.scheduling.config import SchedulerConfig, parse_scheduler_config
 from router.scheduling.runtime import SchedulerRuntime
 from router.state import AppState, RouterConfig
-from router.tokenization import CHAT_TEMPLATE_ANNOTATION, TOKENIZER_ANNOTATION, ModelTokenizer
+from router.tokenization import CHAT_TEMPLATE_ANNOTATION, TOKENIZER_ANNOTATION
 
 MODEL: Final = "sched-model"
 SERVER: Final = "sched-pd"
@@ -64,25 +63,6 @@ API_VERSION: Final = "networking.serving.volcano.sh/v1alpha1"
 BLOCK_SIZE: Final = 16
 CHAT_PATH: Final = "/v1/chat/completions"
 STARTUP_TIMEOUT_S: Final = 60.0
-#: Words of the synthetic text: lower-case words of 6-8 letters that the simulator's real
-#: DeepSeek tokenizer makes ONE token of, leading space included, so a text of N words is
-#: N tokens (about 7 characters a token; `approximateIndex.charsPerToken` assumes 4).
-_WORD_COUNT: Final = 4096
-_WORD: Final = re.compile("\u0120[a-z]{6,8}")
-
-
-@functools.cache
-def sim_tokenizer() -> ModelTokenizer:
-    """The simulator's default tokenizer and template (what the pods and the router use)."""
-    return ModelTokenizer.load(DEFAULT_TOKENIZER, chat_template_file=DEFAULT_CHAT_TEMPLATE)
-
-
-@functools.cache
-def _words() -> tuple[str, ...]:
-    vocab = sim_tokenizer().vocab()
-    return tuple(sorted(t[1:] for t in vocab if _WORD.fullmatch(t))[:_WORD_COUNT])
-
-
 # -- workloads ------------------------------------------------------------------------------------
 
 
@@ -116,7 +96,7 @@ class Prompt:
 
 
 def _text(rng: random.Random, tokens: int) -> str:
-    return " ".join(rng.choices(_words(), k=max(1, tokens)))
+    return " ".join(rng.choices(single_token_words(), k=max(1, tokens)))
 
 
 def shared_prefix(spec: SharedPrefix) -> list[Prompt]:

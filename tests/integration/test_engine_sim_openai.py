@@ -107,7 +107,7 @@ async def test_completions_streaming(pod: SimPod) -> None:
     chunks = [chunk async for chunk in stream]
     assert len(chunks) == 4 and chunks[-1].choices[0].finish_reason == "length"
     assert "".join(c.choices[0].text for c in chunks) == expected_text(
-        "one two three", 4, kv_from_store=False, model=pod.model
+        prompt_ids("one two three"), 4, kv_from_store=False, model=pod.model
     )
 
 

@@ -30,7 +30,7 @@ from tests.integration.harness import (
     pod_manifest,
     write_yaml,
 )
-from tests.sim_tokens import chat_ids
+from tests.sim_tokens import chat_ids, prompt_ids
 
 pytestmark = pytest.mark.integration
 
@@ -230,7 +230,7 @@ async def test_concurrent_requests_each_meet_their_own_prefill(cluster: Cluster)
             model=MODEL, prompt=prompt, max_tokens=4
         )
         assert raw.parse().choices[0].text == expected_text(
-            prompt, 4, kv_from_store=True, model=MODEL
+            prompt_ids(prompt), 4, kv_from_store=True, model=MODEL
         )
         return raw.headers["x-pdgate-prefill-pod"], raw.headers["x-pdgate-decode-pod"]
 
@@ -276,7 +276,7 @@ async def test_bad_bootstrap_answer_is_retried_on_the_other_group(faulty: Cluste
         assert raw.headers["x-pdgate-prefill-pod"] == "retry-g1-prefill"
         assert raw.headers["x-pdgate-decode-pod"] == "retry-g1-decode"
         assert raw.parse().choices[0].text == expected_text(
-            prompt, 5, kv_from_store=True, model=RETRY_MODEL
+            prompt_ids(prompt), 5, kv_from_store=True, model=RETRY_MODEL
         )
     assert faulty.metric("pdgate_retries_total", model=RETRY_MODEL) > retries_before
     assert faulty.metric("pdgate_upstream_errors_total", reason="bad_bootstrap") >= 1

@@ -1,8 +1,9 @@
 """Synthetic words that the simulator's real tokenizer makes exactly one token of.
 
-Lower-case words of 6-8 letters from the DeepSeek vocabulary, each a single token with its
-leading space, so a text of N space-separated words is N tokens (about 7 characters a
-token). Workloads sized in tokens stay sized in tokens with the real tokenizer.
+The 1,829 lower-case three-letter words of the DeepSeek vocabulary, each a single token
+with its leading space, so a text of N space-separated words is N tokens of exactly 4
+characters (what `approximateIndex.charsPerToken` assumes, and what the old stand-in
+tokenizer gave). Workloads sized in tokens stay sized in tokens with the real tokenizer.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from engine_sim.prompts import DEFAULT_CHAT_TEMPLATE, DEFAULT_TOKENIZER
 from router.tokenization import ModelTokenizer
 
 WORD_COUNT: Final = 4096
-_WORD: Final = re.compile("\u0120[a-z]{6,8}")
+_WORD: Final = re.compile("\u0120[a-z]{3}")
 
 
 @functools.cache

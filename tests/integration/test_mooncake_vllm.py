@@ -211,7 +211,7 @@ async def test_chat_streaming_with_usage(cluster: Cluster) -> None:
 
 async def test_completions_streaming_and_not(cluster: Cluster) -> None:
     client = cluster.client()
-    expected = expected_text(LONG_PROMPT, 8, kv_from_store=True, model=MODEL)
+    expected = expected_text(prompt_ids(LONG_PROMPT), 8, kv_from_store=True, model=MODEL)
     completion = await client.completions.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=8)
     assert completion.choices[0].text == expected
     stream = await client.completions.create(

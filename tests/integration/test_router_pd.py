@@ -27,7 +27,7 @@ from tests.integration.harness import (
     wait_http,
     write_yaml,
 )
-from tests.sim_tokens import chat_ids
+from tests.sim_tokens import chat_ids, prompt_ids
 
 MODEL = "sim-pd-model"
 GROUPS = {"g0": ("127.0.0.31", "127.0.0.32"), "g1": ("127.0.0.41", "127.0.0.42")}
@@ -118,7 +118,7 @@ async def test_chat_streaming_passes_chunks_and_usage(client: openai.AsyncOpenAI
 
 
 async def test_completions_streaming_and_not(client: openai.AsyncOpenAI) -> None:
-    expected = expected_text(LONG_PROMPT, 8, kv_from_store=True, model=MODEL)
+    expected = expected_text(prompt_ids(LONG_PROMPT), 8, kv_from_store=True, model=MODEL)
     completion = await client.completions.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=8)
     assert completion.choices[0].text == expected
     stream = await client.completions.create(

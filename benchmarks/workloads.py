@@ -10,8 +10,8 @@
 - `overhead`: tiny prompts and a few output tokens, run against `--fast` engines so that
   the router's own cost is what shows.
 
-Text is made of synthetic words from a fixed vocabulary; the simulator's tokenizer makes
-one token of each word and one of each space, so `n` tokens are about `n / 2` words.
+Text is made of synthetic words that the simulator's real tokenizer makes one token of,
+leading space included (`benchmarks.words`), so `n` tokens are `n` words.
 """
 
 from __future__ import annotations
@@ -24,28 +24,15 @@ from typing import Any, Final
 import orjson
 
 from benchmarks.specs import RequestSpec, Session
+from benchmarks.words import single_token_words
 
-TOKENS_PER_WORD: Final = 2
+TOKENS_PER_WORD: Final = 1
 SESSION_HEADER: Final = "x-session-id"
-_SYLLABLES: Final = tuple(c + v for c in "bdfgklmnprstvz" for v in "aeiou")
-
-
-def _vocabulary(size: int = 1024) -> tuple[str, ...]:
-    """A fixed vocabulary of pronounceable words (deterministic, no RNG)."""
-    words: list[str] = []
-    count = len(_SYLLABLES)
-    for index in range(size):
-        first, rest = divmod(index, count)
-        words.append(_SYLLABLES[first % count] + _SYLLABLES[rest] + _SYLLABLES[(index * 7) % count])
-    return tuple(words)
-
-
-VOCABULARY: Final = _vocabulary()
 
 
 def text(rng: random.Random, tokens: int) -> str:
     """About `tokens` tokens of seeded text."""
-    return " ".join(rng.choices(VOCABULARY, k=max(1, tokens // TOKENS_PER_WORD)))
+    return " ".join(rng.choices(single_token_words(), k=max(1, tokens // TOKENS_PER_WORD)))
 
 
 @dataclass(frozen=True, slots=True)

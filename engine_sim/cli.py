@@ -31,9 +31,11 @@ from engine_sim.kvstore import (
 )
 from engine_sim.latency import LatencyModel
 from engine_sim.prefix_cache import DEFAULT_CAPACITY_BLOCKS
+from engine_sim.prompts import DEFAULT_TOKENIZER, STAND_IN
 from engine_sim.scheduler import DEFAULT_MAX_WAITING
 from engine_sim.service import serve
 from engine_sim.stats import DEFAULT_RECENT_RECORDS
+from router.tokenization import TokenizerLoadError, TokenizerNotFound
 
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::")
 _MIB = 1 << 20
@@ -67,6 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
     add("--engine-id", help="engine id in KV handles (default: a random uuid)")
     add("--pod-name", help="pod name in /sim/stats (default: $POD_NAME or the hostname)")
     add("--fast", action="store_true", help="zero every simulated latency")
+    add(
+        "--tokenizer",
+        default=DEFAULT_TOKENIZER,
+        help="tokenizer: a directory, python:<package>, a Hugging Face repo id in the local "
+        f"cache, or {STAND_IN!r} for the deterministic stand-in",
+    )
+    add("--chat-template", help="Jinja chat template file (default: the tokenizer's; for the "
+        "default tokenizer, engine_sim/templates/deepseek_v3.jinja)")
     add(
         "--prefill-overhead-ms",
         type=float,
@@ -287,6 +297,8 @@ def _parse(argv: Sequence[str] | None) -> tuple[SimConfig, argparse.Namespace]:
         store_prefix_cache=args.store_prefix_cache,
         store_load_per_token_s=0.0 if args.fast else args.store_load_per_token_ms / 1e3,
         faults=faults,
+        tokenizer=args.tokenizer,
+        chat_template=args.chat_template,
     )
     return config, args
 
@@ -308,7 +320,8 @@ async def _run(config: SimConfig) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one engine; 0 after a clean stop, 1 when the KV store cannot be reached."""
+    """Run one engine; 0 after a clean stop, 1 when the KV store cannot be reached or the
+    tokenizer cannot be loaded."""
     config, args = _parse(argv)
     logging.basicConfig(
         level=str(args.log_level).upper(),
@@ -317,7 +330,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
             runner.run(_run(config))
-    except (KVStoreError, BootstrapError, KVEventsError) as exc:
+    except (
+        KVStoreError, BootstrapError, KVEventsError, TokenizerNotFound, TokenizerLoadError
+    ) as exc:
         print(f"engine_sim: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -12,6 +12,7 @@ from engine_sim.kv_blocks import DEFAULT_KV_BLOCK_BYTES
 from engine_sim.kvstore import DEFAULT_GLOBAL_SEGMENT_BYTES, DEFAULT_LOCAL_BUFFER_BYTES
 from engine_sim.latency import LatencyModel
 from engine_sim.prefix_cache import DEFAULT_CAPACITY_BLOCKS
+from engine_sim.prompts import DEFAULT_TOKENIZER
 from engine_sim.scheduler import DEFAULT_MAX_WAITING
 from engine_sim.stats import DEFAULT_RECENT_RECORDS
 
@@ -56,3 +57,7 @@ class SimConfig:
     keep_alive_timeout_s: float = 5.0  # vLLM (uvicorn) closes idle connections after 5 s
     port_file: str | None = None
     faults: FaultSpec = field(default_factory=FaultSpec)  # --fault-* flags, see faults.py
+    # --tokenizer / --chat-template (engine_sim.prompts): the real DeepSeek tokenizer by
+    # default, "stand-in" for the deterministic stand-in.
+    tokenizer: str = DEFAULT_TOKENIZER
+    chat_template: str | None = None

@@ -24,10 +24,10 @@ from engine_sim.kvstore import KVStore
 from engine_sim.latency import pause
 from engine_sim.metrics import EngineMetrics
 from engine_sim.prefix_cache import CacheLease, PrefixCache
+from engine_sim.prompts import PromptTokenizer, load_tokenizer
 from engine_sim.protocol import Limits, ParsedRequest
 from engine_sim.scheduler import Scheduler
 from engine_sim.stats import RecordKind, RequestRecord, SimStats
-from engine_sim.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from engine_sim.kv_events_pub import KVEventPublisher
@@ -60,10 +60,14 @@ class Engine:
     """Serves parsed requests; see the module docstring."""
 
     def __init__(
-        self, config: SimConfig, store: KVStore | None, on_cache_event: CacheEventSink | None = None
+        self,
+        config: SimConfig,
+        store: KVStore | None,
+        on_cache_event: CacheEventSink | None = None,
+        tokenizer: PromptTokenizer | None = None,
     ) -> None:
         self.config = config
-        self.tokenizer = Tokenizer()
+        self.tokenizer = tokenizer or load_tokenizer(config.tokenizer, config.chat_template)
         self.limits = Limits(config.model, config.max_model_len, config.default_max_tokens)
         self.block_hashes = BlockHashMemo(config.block_size, config.hash_seed)
         self.cache = PrefixCache(config.kv_capacity_blocks, config.block_size, on_cache_event)

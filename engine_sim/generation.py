@@ -23,7 +23,6 @@ from engine_sim.block_hash import (
     pack_tokens,
 )
 from engine_sim.kv_blocks import DEFAULT_KV_BLOCK_BYTES, block_payload, kv_digest
-from engine_sim.tokenizer import encode
 
 WORDS: Final = (
     "the", "of", "and", "to", "in", "a", "is", "that", "for", "it", "as", "was", "with",
@@ -55,7 +54,7 @@ def output_pieces(seed: bytes, count: int) -> list[str]:
 
 
 def expected_text(
-    prompt: str | Sequence[int],
+    token_ids: Sequence[int],
     max_tokens: int = 16,
     *,
     kv_from_store: bool,
@@ -65,12 +64,15 @@ def expected_text(
     cache_salt: str | None = None,
     hash_seed: str = DEFAULT_HASH_SEED,
 ) -> str:
-    """The text a pod answers for `prompt` (text or token ids; for chat pass `render_chat(...)`).
+    """The text a pod answers for a prompt of these token ids (the engine's own: e.g. its
+    `/tokenize` answer, or `engine_sim.prompts.load_tokenizer().request_ids(...)`).
 
     With `kv_from_store`, assumes prefill exported every full block of the prompt, which is
     what the simulator's prefill does. Defaults match the CLI's defaults.
     """
-    token_ids = encode(prompt) if isinstance(prompt, str) else list(prompt)
+    if isinstance(token_ids, str):
+        raise TypeError("expected_text takes the prompt's token ids, not its text")
+    token_ids = list(token_ids)
     if kv_from_store:
         hashes = hash_prompt_blocks(token_ids, block_size, cache_salt=cache_salt, seed=hash_seed)
         digest = kv_digest(block_payload(model, h, kv_block_bytes) for h in hashes)

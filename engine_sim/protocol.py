@@ -6,7 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from engine_sim.tokenizer import Tokenizer, render_chat
+from engine_sim.prompts import PromptTokenizer
+from router.tokenization import ChatInputError, UnsupportedContent
 
 Endpoint = Literal["chat", "completion"]
 
@@ -61,24 +62,26 @@ def _optional_int(body: Mapping[str, Any], name: str, minimum: int) -> int | Non
     return value
 
 
-def _completion_tokens(prompt: Any, tokenizer: Tokenizer) -> tuple[int, ...]:
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        return tokenizer.encode(prompt)
-    if isinstance(prompt, list) and all(
-        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt
-    ):
-        return tuple(prompt)
-    raise RequestError(
-        "'prompt' must be a string, a list of token ids, or a list of one of those "
-        "(the simulator serves one prompt per request)",
-        param="prompt",
-    )
+def _prompt_tokens(
+    body: Mapping[str, Any], endpoint: Endpoint, tokenizer: PromptTokenizer
+) -> tuple[int, ...]:
+    try:
+        prompts = tokenizer.request_ids(endpoint, body)
+    except UnsupportedContent as exc:
+        raise RequestError(str(exc), param="messages") from exc
+    except ChatInputError as exc:
+        raise RequestError(str(exc), param="messages" if endpoint == "chat" else "prompt") from exc
+    if len(prompts) != 1:
+        raise RequestError(
+            "'prompt' must be a string, a list of token ids, or a list of one of those "
+            "(the simulator serves one prompt per request)",
+            param="prompt",
+        )
+    return prompts[0]
 
 
 def parse_request(
-    body: Any, endpoint: Endpoint, tokenizer: Tokenizer, limits: Limits
+    body: Any, endpoint: Endpoint, tokenizer: PromptTokenizer, limits: Limits
 ) -> ParsedRequest:
     """Validate a chat or completion body and tokenize its prompt."""
     if not isinstance(body, dict):
@@ -91,19 +94,14 @@ def parse_request(
             f"The model `{model}` does not exist.", 404, "NotFoundError", param="model"
         )
     if endpoint == "chat":
-        messages = body.get("messages")
-        if not isinstance(messages, list):
+        if not isinstance(body.get("messages"), list) or not body["messages"]:
             raise RequestError("'messages' must be a non-empty list", param="messages")
-        try:
-            text = render_chat(messages, bool(body.get("add_generation_prompt", True)))
-        except ValueError as exc:
-            raise RequestError(str(exc), param="messages") from exc
-        token_ids = tokenizer.encode(text)
+        token_ids = _prompt_tokens(body, endpoint, tokenizer)
         max_tokens = _optional_int(body, "max_completion_tokens", 1)
         if max_tokens is None:
             max_tokens = _optional_int(body, "max_tokens", 1)
     else:
-        token_ids = _completion_tokens(body.get("prompt"), tokenizer)
+        token_ids = _prompt_tokens(body, endpoint, tokenizer)
         max_tokens = _optional_int(body, "max_tokens", 1)
     if not token_ids:
         raise RequestError("the prompt is empty", param="prompt")

@@ -32,6 +32,7 @@ from engine_sim.protocol import Endpoint, ParsedRequest, RequestError, parse_req
 from engine_sim.render import generate_request
 from engine_sim.responses import ChunkWriter, chat_completion, error_body, text_completion, usage
 from engine_sim.scheduler import QueueFullError
+from router.tokenization import ChatInputError
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,7 @@ class SimServer:
         app.router.add_post("/v1/chat/completions/render", self.render_chat)
         app.router.add_post("/v1/completions/render", self.render_completion)
         app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/ping", self.health)
@@ -251,28 +253,67 @@ class SimServer:
         return _json(rendered if endpoint == "chat" else [rendered], request_id=request_id)
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        """vLLM's `/tokenize` for a `prompt` or chat `messages`."""
+        """vLLM's `POST /tokenize`: `TokenizeCompletionRequest` (`prompt`,
+        `add_special_tokens` default true) or `TokenizeChatRequest` (`messages`, `tools`,
+        `add_generation_prompt` default true, `continue_final_message`,
+        `add_special_tokens` default false, `chat_template_kwargs`), `return_token_strs`;
+        answers `TokenizeResponse` {count, max_model_len, tokens, token_strs}."""
+        request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
         try:
-            body = orjson.loads(await request.read())
-            if not isinstance(body, dict):
-                raise RequestError("the request body must be a JSON object")
+            body = await self._json_object(request)
+            self._check_model(body)
             endpoint: Endpoint = "chat" if "messages" in body else "completion"
-            parsed = parse_request(
-                {**body, "max_tokens": 1}, endpoint, self.engine.tokenizer, self.engine.limits
-            )
-        except orjson.JSONDecodeError as exc:
-            return _error(RequestError(f"invalid JSON body: {exc}"), uuid.uuid4().hex)
+            if endpoint == "completion" and not isinstance(body.get("prompt"), str):
+                raise RequestError("'prompt' must be a string", param="prompt")
+            try:
+                prompts = self.engine.tokenizer.request_ids(endpoint, body)
+            except ChatInputError as exc:
+                raise RequestError(str(exc)) from exc
         except RequestError as exc:
-            return _error(exc, uuid.uuid4().hex)
-        tokens = list(parsed.token_ids)
+            return _error(exc, request_id)
+        tokens = [t for prompt in prompts for t in prompt]
+        strs = self.engine.tokenizer.token_strs(tokens) if body.get("return_token_strs") else None
         return _json(
             {
                 "count": len(tokens),
                 "max_model_len": self.engine.limits.max_model_len,
                 "tokens": tokens,
-                "token_strs": None,
-            }
+                "token_strs": strs,
+            },
+            request_id=request_id,
         )
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """vLLM's `POST /detokenize`: `{"tokens": [...]}` -> `{"prompt": text}`."""
+        request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+        try:
+            body = await self._json_object(request)
+            self._check_model(body)
+            tokens = body.get("tokens")
+            if not isinstance(tokens, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**63
+                for t in tokens
+            ):
+                raise RequestError("'tokens' must be a list of token ids", param="tokens")
+        except RequestError as exc:
+            return _error(exc, request_id)
+        return _json({"prompt": self.engine.tokenizer.decode(tokens)}, request_id=request_id)
+
+    async def _json_object(self, request: web.Request) -> dict[str, Any]:
+        try:
+            body = orjson.loads(await request.read())
+        except orjson.JSONDecodeError as exc:
+            raise RequestError(f"invalid JSON body: {exc}") from exc
+        if not isinstance(body, dict):
+            raise RequestError("the request body must be a JSON object")
+        return body
+
+    def _check_model(self, body: dict[str, Any]) -> None:
+        model = body.get("model")
+        if model is not None and model != self.engine.limits.model:
+            raise RequestError(
+                f"The model `{model}` does not exist.", 404, "NotFoundError", param="model"
+            )
 
     async def models(self, request: web.Request) -> web.Response:
         model = self.engine.config.model

@@ -7,7 +7,7 @@ import logging
 import signal
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from router.resilience.config import ResilienceConfig
@@ -217,7 +217,16 @@ def _demo(args: argparse.Namespace) -> int:
         print(f"   request id:  {raw.headers.get('x-request-id')}")
         if completion.usage is not None:
             print(f"   tokens: {completion.usage.prompt_tokens} prompt, "
-                  f"{completion.usage.completion_tokens} completion")
+                  f"{completion.usage.completion_tokens} completion "
+                  "(the engines' real DeepSeek tokenizer)")
+        first = cluster.pods[0].endpoint if cluster.pods else None
+        tokenized = None if first is None else _tokenize(
+            first.base_url, [{"role": "user", "content": DEMO_QUESTION}]
+        )
+        if tokenized is not None:
+            strs = tokenized.get("token_strs") or []
+            print(f"   the prompt as the engine tokenizes it ({tokenized.get('count')} tokens): "
+                  + " ".join(str(s) for s in strs))
         pods = {spec.endpoint.pod_name: spec.endpoint for spec in cluster.pods}
         request_id = raw.headers.get("x-request-id", "")
         for header, verb in (("x-pdgate-prefill-pod", "wrote"), ("x-pdgate-decode-pod", "read")):
@@ -229,6 +238,23 @@ def _demo(args: argparse.Namespace) -> int:
                 print(f"   {served_by.pod_name} {verb} {record['blocks']} "
                       "KV block(s) through the Mooncake Store")
     return 0
+
+
+def _tokenize(base_url: str, messages: list[dict[str, str]]) -> dict[str, Any] | None:
+    """An engine's vLLM `/tokenize` answer for a chat (None if it cannot be had)."""
+    import json
+    import urllib.request
+
+    body = json.dumps({"messages": messages, "return_token_strs": True}).encode()
+    request = urllib.request.Request(
+        f"{base_url}/tokenize", data=body, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            answer = json.loads(response.read())
+    except (OSError, ValueError):
+        return None
+    return answer if isinstance(answer, dict) else None
 
 
 def _sim_record(base_url: str, request_id: str) -> dict[str, object] | None:

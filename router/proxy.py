@@ -264,6 +264,9 @@ class Proxy:
     ) -> None:
         parsed = attempt.parsed
         request = ScheduleRequest(parsed.model, parsed.path, parsed.body, attempt.client_headers)
+        prepare = getattr(self.scheduler, "prepare", None)
+        if prepare is not None:
+            await prepare(server, request)  # big prompts: tokenized off the event loop
         pick = self.scheduler.pick(server, request, frozenset(avoid))
         if pick is None:
             raise service_unavailable(

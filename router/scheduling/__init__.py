@@ -7,7 +7,7 @@ failed this request, so a retry lands elsewhere when it can.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -16,12 +16,17 @@ from router.view import Endpoint, ServerPods
 
 @dataclass(slots=True)
 class ScheduleRequest:
-    """What a scheduler may look at: the parsed body and the request's headers."""
+    """What a scheduler may look at: the parsed body and the request's headers.
+
+    `tokens`: the prompt's token ids when already computed off the event loop
+    (`prepare`); None lets the scheduler tokenize when it needs to.
+    """
 
     model: str
     path: str
     body: dict[str, Any]
     headers: Mapping[str, str]
+    tokens: Sequence[int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,3 +46,10 @@ class Scheduler(Protocol):
         self, server: ServerPods, request: ScheduleRequest, avoid: frozenset[str]
     ) -> Pick | None:
         """Return the pods to use, or None when no ready pod (or pair) exists."""
+
+
+class PreparingScheduler(Scheduler, Protocol):
+    """A scheduler with async work to do before `pick` (tokenizing a big prompt)."""
+
+    async def prepare(self, server: ServerPods, request: ScheduleRequest) -> None:
+        """Fill what `pick` will need (e.g. `request.tokens`); never raises on bad input."""

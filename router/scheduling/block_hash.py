@@ -29,22 +29,20 @@ Precise (`PreciseHasher`), for the `precise-prefix-cache` scorer
 These must equal the engine's own block hashes, the ones its KV events carry, bit for
 bit. The contract is the engine simulator's, imported, never re-implemented:
 
-- prompt text: chat `messages` rendered with `engine_sim.tokenizer.render_chat`
-  (`add_generation_prompt` from the body, default true); completions `prompt` as given
-  (a string, token ids, or the first of a batch);
-- token ids: `engine_sim.tokenizer.encode` (a memoizing `engine_sim.tokenizer.Tokenizer`);
+- token ids: the ModelServer's own tokenizer and chat template
+  (`router.tokenization`, configured by the `pdgate.io/tokenizer` annotations): chat
+  rendered and encoded as vLLM does, completions `prompt` as given (a string, token ids,
+  or the first of a batch); no tokenizer, no precise hashes (the scorer sees no blocks);
 - block hashes: `engine_sim.block_hash.hash_prompt_blocks(tokens, block_size,
   cache_salt=body["cache_salt"], seed=hash_seed)`: 16-token blocks, sha256 over
   (parent hash, token ids, extra keys), low 64 bits; the first block's parent is
   `root_hash(seed)` and its extra keys are `(cache_salt,)`. The model name is NOT part of
   this hash (as in vLLM).
 
-Two exact shortcuts keep the per-request cost down, and a unit test checks both against
+Two exact shortcuts keep the per-request cost down, and unit tests check both against
 the reference functions:
-- a chat prompt is tokenized message by message: every rendered message starts with the
-  special token `<|im_start|>` and ends with `<|im_end|>\\n`, so no token piece crosses a
-  message boundary, and the memoizing tokenizer then re-uses a shared system prompt's
-  tokens;
+- the tokenizer memoizes the pieces between added tokens where that is exact for the
+  tokenizer (`router.tokenization.tokenizer`), so a shared system prompt is encoded once;
 - the hashes of a prefix's blocks are memoized under an xxh3-64 of (seed, salt, the
   prefix's token ids), at a few checkpoints (`PreciseHasher`); `hash_block_tokens`
   computes the blocks past the longest memoized prefix.
@@ -68,7 +66,8 @@ from engine_sim.block_hash import (
     hash_prompt_blocks,
     root_hash,
 )
-from engine_sim.tokenizer import Tokenizer, render_chat
+from router.resources import ModelServer
+from router.tokenization import ChatInputError, Endpoint, TokenizerRegistry
 
 CHAT_PATH: Final = "/v1/chat/completions"
 
@@ -79,9 +78,6 @@ DEFAULT_MAX_PROMPT_BLOCKS: Final = 4096
 #: Bounds of the precise hasher's prefix memo: entries, and block hashes stored in all.
 PRECISE_HASH_MEMO_ENTRIES: Final = 8_192
 PRECISE_HASH_MEMO_HASHES: Final = 2_000_000
-#: Bound of the precise hasher's tokenizer caches (pieces; whole message texts).
-TOKENIZER_PIECE_CACHE: Final = 65_536
-TOKENIZER_TEXT_CACHE: Final = 1_024
 
 _xxh3 = xxhash.xxh3_64_intdigest
 _SORTED = orjson.OPT_SORT_KEYS
@@ -187,8 +183,8 @@ class PromptTokens:
 class PreciseHasher:
     """Engine-exact block hashes of a request (see the module docstring for the contract).
 
-    `tokenize` may be injected (path, body -> token ids or None); by default the engine
-    simulator's template and tokenizer are used. One instance per scheduler: it owns its
+    `tokenize` may be injected (path, body -> token ids or None); by default the
+    ModelServer's tokenizer from `tokenizers` is used. One instance per scheduler: it owns its
     bounded caches, nothing is global.
 
     Memo: (seed, salt, token ids of a prefix) -> the hashes of that prefix's full blocks,
@@ -207,6 +203,7 @@ class PreciseHasher:
         memo_entries: int = PRECISE_HASH_MEMO_ENTRIES,
         max_blocks: int = DEFAULT_MAX_PROMPT_BLOCKS,
         memo_hashes: int = PRECISE_HASH_MEMO_HASHES,
+        tokenizers: TokenizerRegistry | None = None,
     ) -> None:
         if block_size <= 0:
             raise ValueError("block_size must be positive")
@@ -218,42 +215,31 @@ class PreciseHasher:
         self._memo_entries = memo_entries
         self._memo_hashes = memo_hashes
         self._memo_stored = 0
-        self._tokenizer = Tokenizer(TOKENIZER_PIECE_CACHE, TOKENIZER_TEXT_CACHE)
         self._injected = tokenize
-        probe = {"role": "user", "content": ""}
-        with_prompt = self._tokenizer.encode(render_chat([probe], add_generation_prompt=True))
-        without = self._tokenizer.encode(render_chat([probe], add_generation_prompt=False))
-        self._generation_suffix: tuple[int, ...] = with_prompt[len(without) :]
+        self._tokenizers = tokenizers
 
-    def tokens(self, path: str, body: Mapping[str, Any]) -> PromptTokens | None:
-        """The prompt's token ids as the engine computes them, or None if unknown."""
+    def tokens(
+        self, path: str, body: Mapping[str, Any], server: ModelServer | None = None
+    ) -> PromptTokens | None:
+        """The prompt's token ids as the server's engine computes them, or None if unknown
+        (no tokenizer configured or loaded for `server`, or a prompt it cannot tokenize)."""
         if self._injected is not None:
             ids = self._injected(path, body)
             return None if ids is None else PromptTokens(ids)
+        if server is None or self._tokenizers is None:
+            return None
+        tokenizer = self._tokenizers.get(server)
+        if tokenizer is None:
+            return None
         messages = body.get("messages")
-        if path == CHAT_PATH or isinstance(messages, list):
-            if not isinstance(messages, list) or not messages:
-                return None
-            encode = self._tokenizer.encode
-            tokens: list[int] = []
-            ends: list[int] = []
-            try:
-                for message in messages:
-                    tokens.extend(encode(render_chat([message], add_generation_prompt=False)))
-                    ends.append(len(tokens))
-            except (ValueError, TypeError):
-                return None
-            if bool(body.get("add_generation_prompt", True)):
-                tokens.extend(self._generation_suffix)
-            return PromptTokens(tokens, tuple(ends))
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            return PromptTokens(self._tokenizer.encode(prompt))
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return PromptTokens(prompt)
-        return None
+        endpoint: Endpoint = (
+            "chat" if path == CHAT_PATH or isinstance(messages, list) else "completion"
+        )
+        try:
+            prompts = tokenizer.request_ids(endpoint, body)
+        except ChatInputError:
+            return None
+        return PromptTokens(prompts[0]) if prompts else None
 
     def block_hashes(
         self, tokens: Sequence[int], cache_salt: str | None, message_ends: Sequence[int] = ()

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Final, Literal
 
 from router.load import InFlight
+from router.resources import ModelServer
 from router.scheduling import ScheduleRequest
 from router.scheduling.approx_index import ApproximatePrefixIndex
 from router.scheduling.block_hash import (
@@ -26,6 +27,7 @@ from router.scheduling.block_hash import (
 )
 from router.scheduling.metrics_scraper import EngineLoad, EngineMetricsStore
 from router.scheduling.precise_index import PrecisePrefixIndex
+from router.tokenization import TokenizePool, TokenizerRegistry
 from router.view import Endpoint, ServerPods
 
 RoleName = Literal["prefill", "decode", "aggregated"]
@@ -123,6 +125,8 @@ class SchedulerDeps:
     rng: random.Random
     is_ejected: Callable[[str], bool]
     estimator: LoadEstimator
+    tokenizers: TokenizerRegistry | None = None  # per-ModelServer tokenizers (precise)
+    tokenize_pool: TokenizePool | None = None  # big prompts are tokenized off the loop
 
 
 class PromptInfo:
@@ -136,6 +140,7 @@ class PromptInfo:
         "_max_blocks",
         "_precise",
         "_rendered",
+        "_server",
         "_tokens",
         "request",
     )
@@ -147,8 +152,10 @@ class PromptInfo:
         block_bytes: int,
         max_blocks: int,
         chars_per_token: float,
+        server: ModelServer | None = None,
     ) -> None:
         self.request = request
+        self._server = server
         self._hasher = hasher
         self._block_bytes = block_bytes
         self._max_blocks = max_blocks
@@ -185,7 +192,11 @@ class PromptInfo:
     def tokens(self) -> PromptTokens | None:
         if self._tokens is False:
             req = self.request
-            self._tokens = self._hasher.tokens(req.path, req.body)
+            self._tokens = (
+                PromptTokens(req.tokens)
+                if req.tokens is not None
+                else self._hasher.tokens(req.path, req.body, self._server)
+            )
         return self._tokens if isinstance(self._tokens, PromptTokens) else None
 
     def precise_hashes(self) -> list[int]:

@@ -39,6 +39,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from router.scheduling import Pick, ScheduleRequest
+from router.scheduling.block_hash import CHAT_PATH
 from router.scheduling.config import ProfileConfig, SchedulerConfig
 from router.scheduling.context import (
     Candidates,
@@ -49,6 +50,8 @@ from router.scheduling.context import (
 from router.scheduling.filters import FILTERS, Filter
 from router.scheduling.metrics import SchedulerMetrics
 from router.scheduling.scorers import SCORERS, Scorer
+from router.tokenization import ChatInputError, prompt_chars
+from router.tokenization import Endpoint as Prompt
 from router.view import Endpoint, ServerPods
 
 _INF = math.inf
@@ -235,6 +238,34 @@ class PipelineScheduler:
 
     # -- the Scheduler protocol ---------------------------------------------------------------
 
+    async def prepare(self, server: ServerPods, request: ScheduleRequest) -> None:
+        """Tokenize a big prompt off the event loop when the precise scorer will need it."""
+        deps = self.deps
+        pool, registry = deps.tokenize_pool, deps.tokenizers
+        if (
+            request.tokens is not None
+            or pool is None
+            or registry is None
+            or not self._profiles.config.precise_enabled
+        ):
+            return
+        tokenizer = registry.get(server.server)
+        if tokenizer is None:
+            return
+        endpoint: Prompt = (
+            "chat"
+            if request.path == CHAT_PATH or isinstance(request.body.get("messages"), list)
+            else "completion"
+        )
+        if prompt_chars(endpoint, request.body) < pool.min_chars:
+            return  # cheaper inline, in `pick`
+        try:
+            prompts = await pool.request_ids(tokenizer, endpoint, request.body)
+        except ChatInputError:
+            return
+        if prompts:
+            request.tokens = prompts[0]
+
     def pick(
         self, server: ServerPods, request: ScheduleRequest, avoid: frozenset[str]
     ) -> Pick | None:
@@ -244,7 +275,7 @@ class PipelineScheduler:
         approx = config.approximate_index
         prompt = PromptInfo(
             request, self.deps.hasher, approx.block_bytes, approx.max_prompt_blocks,
-            approx.chars_per_token,
+            approx.chars_per_token, server.server,
         )
         ctx = PickContext(request, server, prompt, self.deps, config.cost_model, self._clock())
         if server.is_pd:

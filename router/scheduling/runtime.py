@@ -17,8 +17,9 @@
 - `rng`: every random choice (ties, the `random` scorer); seed it for reproducible runs.
 - `is_ejected(pod_key) -> bool`: the reliability layer's ejection hook (default: never);
   also settable later with `runtime.set_ejection_hook`.
-- `tokenize(path, body) -> token ids | None`: overrides the engine simulator's
-  tokenizer for the precise index (see `block_hash.py` for the contract).
+- `tokenize(path, body) -> token ids | None`: overrides the ModelServers' own
+  tokenizers (`router.tokenization`, annotation `pdgate.io/tokenizer`) for the precise
+  index (see `block_hash.py` for the contract).
 
 `runtime.background()` lists the coroutine factories `run()` runs, for an app that
 prefers to supervise them itself.
@@ -52,6 +53,7 @@ from router.scheduling.metrics_scraper import (
 from router.scheduling.pipeline import PipelineScheduler
 from router.scheduling.precise_index import PrecisePrefixIndex
 from router.scheduling.watcher import SchedulerConfigWatcher
+from router.tokenization import TokenizePool, TokenizerRegistry
 from router.view import ClusterView, Snapshot
 
 log = logging.getLogger("pdgate.scheduling")
@@ -71,9 +73,13 @@ def _stream_settings(config: SchedulerConfig) -> StreamSettings:
     return StreamSettings(replay_timeout_s=p.replay_timeout_s, replay_on_join=p.replay_on_join)
 
 
-def _hasher(config: SchedulerConfig, tokenize: TokenSource | None) -> PreciseHasher:
+def _hasher(
+    config: SchedulerConfig, tokenize: TokenSource | None, tokenizers: TokenizerRegistry
+) -> PreciseHasher:
     p = config.precise_index
-    return PreciseHasher(block_size=p.block_size, hash_seed=p.hash_seed, tokenize=tokenize)
+    return PreciseHasher(
+        block_size=p.block_size, hash_seed=p.hash_seed, tokenize=tokenize, tokenizers=tokenizers
+    )
 
 
 class SchedulerRuntime:
@@ -103,16 +109,20 @@ class SchedulerRuntime:
             precise_cfg.max_blocks_per_pod, precise_cfg.max_store_blocks, precise_cfg.store_media
         )
         self.engines = EngineMetricsStore()
+        self.tokenizers = TokenizerRegistry()
+        self.tokenize_pool = TokenizePool()
         self.deps = SchedulerDeps(
             inflight=inflight,
             engines=self.engines,
             approx=self.approx,
             precise=self.precise,
-            hasher=_hasher(config, tokenize),
+            hasher=_hasher(config, tokenize, self.tokenizers),
             sessions=SessionTable.create(config.sessions.max_sessions),
             rng=rng or random.Random(),
             is_ejected=is_ejected or never_ejected,
             estimator=LoadEstimator(),
+            tokenizers=self.tokenizers,
+            tokenize_pool=self.tokenize_pool,
         )
         self.scheduler = PipelineScheduler(config, self.deps, self.metrics, clock)
         self.scraper = MetricsScraper(
@@ -151,6 +161,7 @@ class SchedulerRuntime:
 
     def _on_snapshot(self, snapshot: Snapshot) -> None:
         keys = set(snapshot.endpoints())
+        self.tokenizers.on_snapshot(snapshot)
         self.scheduler.forget_layouts()
         self.approx.retain(keys)
         self.scraper.on_snapshot(snapshot)
@@ -170,7 +181,7 @@ class SchedulerRuntime:
         self.precise.store_media = frozenset(m.upper() for m in p.store_media)
         was = old.precise_index
         if (p.block_size, p.hash_seed) != (was.block_size, was.hash_seed):
-            self.deps.hasher = _hasher(config, self._tokenize)
+            self.deps.hasher = _hasher(config, self._tokenize, self.tokenizers)
         self.deps.sessions.max_sessions = config.sessions.max_sessions
         self.scraper.reconfigure(_scrape_settings(config))
         self.kv_events.settings = _stream_settings(config)

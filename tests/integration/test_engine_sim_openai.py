@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from engine_sim.generation import expected_text
-from engine_sim.tokenizer import encode, render_chat
+from tests.sim_tokens import chat_ids, prompt_ids
 
 if TYPE_CHECKING:
     from conftest import SimPod
@@ -55,14 +55,14 @@ async def test_chat_non_streaming(pod: SimPod) -> None:
     )
     assert raw.headers["x-request-id"] == "rid-1"
     completion = raw.parse()
-    prompt = render_chat(MESSAGES)
+    prompt = chat_ids(MESSAGES)
     assert completion.id == "chatcmpl-rid-1"
     assert completion.choices[0].message.content == expected_text(
         prompt, 7, kv_from_store=False, model=pod.model
     )
     assert completion.choices[0].finish_reason == "length"
     assert completion.usage is not None
-    assert completion.usage.prompt_tokens == len(encode(prompt))
+    assert completion.usage.prompt_tokens == len(prompt)
     assert completion.usage.completion_tokens == 7
     assert completion.usage.total_tokens == completion.usage.prompt_tokens + 7
 
@@ -80,7 +80,7 @@ async def test_chat_streaming_with_usage(pod: SimPod) -> None:
     assert chunks[0].object == "chat.completion.chunk"
     assert chunks[0].choices[0].delta.role == "assistant"
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert content == expected_text(render_chat(MESSAGES), 5, kv_from_store=False, model=pod.model)
+    assert content == expected_text(chat_ids(MESSAGES), 5, kv_from_store=False, model=pod.model)
     with_choices = [c for c in chunks if c.choices]
     assert with_choices[-1].choices[0].finish_reason == "length"
     assert all(c.choices[0].finish_reason is None for c in with_choices[:-1])
@@ -92,8 +92,8 @@ async def test_completions_prompt_shapes_and_default_length(pod: SimPod) -> None
     client = client_for(pod)
     text = "Once upon a time"
     by_text = await client.completions.create(model=pod.model, prompt=text)
-    by_ids = await client.completions.create(model=pod.model, prompt=encode(text))
-    expected = expected_text(text, 16, kv_from_store=False, model=pod.model)
+    by_ids = await client.completions.create(model=pod.model, prompt=prompt_ids(text))
+    expected = expected_text(prompt_ids(text), 16, kv_from_store=False, model=pod.model)
     assert by_text.object == "text_completion"
     assert by_text.choices[0].text == by_ids.choices[0].text == expected
     assert by_text.usage is not None and by_text.usage.completion_tokens == 16
@@ -107,7 +107,7 @@ async def test_completions_streaming(pod: SimPod) -> None:
     chunks = [chunk async for chunk in stream]
     assert len(chunks) == 4 and chunks[-1].choices[0].finish_reason == "length"
     assert "".join(c.choices[0].text for c in chunks) == expected_text(
-        "one two three", 4, kv_from_store=False, model=pod.model
+        prompt_ids("one two three"), 4, kv_from_store=False, model=pod.model
     )
 
 
@@ -141,14 +141,14 @@ async def test_models_health_render_tokenize(pod: SimPod) -> None:
     body = {"model": pod.model, "messages": MESSAGES, "max_tokens": 20, "stream": False}
     status, rendered = await post(pod, "/v1/chat/completions/render", body)
     assert status == 200
-    assert rendered["token_ids"] == encode(render_chat(MESSAGES))
+    assert rendered["token_ids"] == (chat_ids(MESSAGES))
     assert rendered["sampling_params"]["max_tokens"] == 20
     status, rendered_list = await post(
         pod, "/v1/completions/render", {"model": pod.model, "prompt": "hi there"}
     )
-    assert status == 200 and rendered_list[0]["token_ids"] == encode("hi there")
+    assert status == 200 and rendered_list[0]["token_ids"] == prompt_ids("hi there")
     status, tokens = await post(pod, "/tokenize", {"prompt": "hi there"})
-    assert tokens["tokens"] == encode("hi there") and tokens["count"] == 3
+    assert tokens["tokens"] == prompt_ids("hi there") and tokens["count"] == len(tokens["tokens"])
 
 
 async def test_metrics_prefix_cache_and_stats(pod: SimPod) -> None:

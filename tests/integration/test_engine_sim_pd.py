@@ -14,7 +14,7 @@ from engine_sim.block_hash import hash_prompt_blocks
 from engine_sim.generation import expected_text
 from engine_sim.kv_blocks import store_key
 from engine_sim.kv_params import STORE_KEYS_FIELD
-from engine_sim.tokenizer import encode, render_chat
+from tests.sim_tokens import chat_ids, prompt_ids
 
 if TYPE_CHECKING:
     from conftest import SimPod
@@ -71,8 +71,8 @@ async def prefill_chat(prefill: SimPod, msgs: list[dict[str, Any]]) -> dict[str,
 async def test_decode_uses_prefill_kv_from_the_store(pods: tuple[SimPod, SimPod]) -> None:
     prefill, decode = pods
     msgs = messages()
-    prompt = render_chat(msgs)
-    hashes = hash_prompt_blocks(encode(prompt))
+    prompt = chat_ids(msgs)
+    hashes = hash_prompt_blocks(prompt)
     assert len(hashes) >= 2
     before = await stats(prefill)
     params = await prefill_chat(prefill, msgs)
@@ -80,7 +80,7 @@ async def test_decode_uses_prefill_kv_from_the_store(pods: tuple[SimPod, SimPod]
     assert params["remote_engine_id"] == prefill.engine_id
     assert params["remote_host"] == "127.0.0.1" and params["remote_port"] == prefill.port
     assert params["remote_request_id"].startswith("chatcmpl-pd-1-")
-    assert params["remote_num_tokens"] == len(encode(prompt)) and params["tp_size"] == 1
+    assert params["remote_num_tokens"] == len(prompt) and params["tp_size"] == 1
     assert len(params["remote_block_ids"]) == len(hashes)
     assert params[STORE_KEYS_FIELD] == [store_key(prefill.model, h) for h in hashes]
     after = await stats(prefill)
@@ -115,13 +115,15 @@ async def test_streaming_completion_decode_and_short_prompt(pods: tuple[SimPod, 
         )
         assert status == 200
         params = answer["kv_transfer_params"]
-        assert len(params["remote_block_ids"]) == len(encode(prompt)) // 16
+        assert len(params["remote_block_ids"]) == len(prompt_ids(prompt)) // 16
         stream = await client.completions.create(
             model=decode.model, prompt=prompt, max_tokens=6, stream=True,
             extra_body={"kv_transfer_params": params},
         )  # fmt: skip
         text = "".join([chunk.choices[0].text async for chunk in stream])
-        assert text == expected_text(prompt, 6, kv_from_store=True, model=decode.model)
+        assert text == expected_text(
+            prompt_ids(prompt), 6, kv_from_store=True, model=decode.model
+        )
 
 
 async def test_incomplete_params_prefill_locally(pods: tuple[SimPod, SimPod]) -> None:
@@ -137,7 +139,7 @@ async def test_incomplete_params_prefill_locally(pods: tuple[SimPod, SimPod]) ->
         {"messages": msgs, "max_tokens": 4, "kv_transfer_params": params},
     )
     assert status == 200
-    expected = expected_text(render_chat(msgs), 4, kv_from_store=False, model=decode.model)
+    expected = expected_text(chat_ids(msgs), 4, kv_from_store=False, model=decode.model)
     assert answer["choices"][0]["message"]["content"] == expected
     record = (await stats(decode))["recent"][-1]
     assert record["kind"] == "decode" and record["kv_from_store"] is False
@@ -158,7 +160,7 @@ async def test_bogus_or_missing_kv_fails_clearly(pods: tuple[SimPod, SimPod]) ->
 
     # Keys that belong to this prompt but were never written (no prefill ran for it).
     other = messages()
-    keys = [store_key(decode.model, h) for h in hash_prompt_blocks(encode(render_chat(other)))]
+    keys = [store_key(decode.model, h) for h in hash_prompt_blocks(chat_ids(other))]
     missing = {**params, STORE_KEYS_FIELD: keys}
     status, answer = await post(
         decode,

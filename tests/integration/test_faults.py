@@ -21,7 +21,6 @@ import openai
 import pytest
 
 from engine_sim.generation import expected_text
-from engine_sim.tokenizer import render_chat
 from tests.integration.harness import SimCluster, free_port, write_yaml
 from tests.integration.test_faults_kit import (
     FaultCluster,
@@ -34,6 +33,7 @@ from tests.integration.test_faults_kit import (
     stream_text,
     wait_for,
 )
+from tests.sim_tokens import chat_ids
 
 pytestmark = pytest.mark.integration
 
@@ -96,7 +96,7 @@ def chat(content: str, max_tokens: int = 6, model: str = MODEL, **extra: Any) ->
 
 
 def expected(content: str, max_tokens: int) -> str:
-    return expected_text(render_chat([{"role": "user", "content": content}]), max_tokens,
+    return expected_text(chat_ids([{"role": "user", "content": content}]), max_tokens,
                          kv_from_store=True, model=MODEL)
 
 

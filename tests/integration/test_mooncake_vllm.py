@@ -20,7 +20,6 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from engine_sim.generation import expected_text
-from engine_sim.tokenizer import render_chat
 from tests.integration.harness import (
     SimCluster,
     SimPodSpec,
@@ -31,6 +30,7 @@ from tests.integration.harness import (
     pod_manifest,
     write_yaml,
 )
+from tests.sim_tokens import chat_ids, prompt_ids
 
 pytestmark = pytest.mark.integration
 
@@ -162,7 +162,7 @@ async def test_chat_non_streaming_decode_reads_prefill_kv(cluster: Cluster) -> N
         model=MODEL, messages=messages, max_tokens=12
     )
     completion = raw.parse()
-    prompt = render_chat(list(messages))
+    prompt = chat_ids(list(messages))
     assert completion.choices[0].message.content == expected_text(
         prompt, 12, kv_from_store=True, model=MODEL
     )
@@ -202,7 +202,7 @@ async def test_chat_streaming_with_usage(cluster: Cluster) -> None:
         if chunk.usage is not None:
             usage = chunk.usage
     assert "".join(pieces) == expected_text(
-        render_chat(list(messages)), 20, kv_from_store=True, model=MODEL
+        chat_ids(list(messages)), 20, kv_from_store=True, model=MODEL
     )
     assert chunks >= 20
     assert usage is not None and usage.completion_tokens == 20
@@ -211,7 +211,7 @@ async def test_chat_streaming_with_usage(cluster: Cluster) -> None:
 
 async def test_completions_streaming_and_not(cluster: Cluster) -> None:
     client = cluster.client()
-    expected = expected_text(LONG_PROMPT, 8, kv_from_store=True, model=MODEL)
+    expected = expected_text(prompt_ids(LONG_PROMPT), 8, kv_from_store=True, model=MODEL)
     completion = await client.completions.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=8)
     assert completion.choices[0].text == expected
     stream = await client.completions.create(
@@ -230,7 +230,7 @@ async def test_concurrent_requests_each_meet_their_own_prefill(cluster: Cluster)
             model=MODEL, prompt=prompt, max_tokens=4
         )
         assert raw.parse().choices[0].text == expected_text(
-            prompt, 4, kv_from_store=True, model=MODEL
+            prompt_ids(prompt), 4, kv_from_store=True, model=MODEL
         )
         return raw.headers["x-pdgate-prefill-pod"], raw.headers["x-pdgate-decode-pod"]
 
@@ -276,7 +276,7 @@ async def test_bad_bootstrap_answer_is_retried_on_the_other_group(faulty: Cluste
         assert raw.headers["x-pdgate-prefill-pod"] == "retry-g1-prefill"
         assert raw.headers["x-pdgate-decode-pod"] == "retry-g1-decode"
         assert raw.parse().choices[0].text == expected_text(
-            prompt, 5, kv_from_store=True, model=RETRY_MODEL
+            prompt_ids(prompt), 5, kv_from_store=True, model=RETRY_MODEL
         )
     assert faulty.metric("pdgate_retries_total", model=RETRY_MODEL) > retries_before
     assert faulty.metric("pdgate_upstream_errors_total", reason="bad_bootstrap") >= 1

@@ -17,7 +17,6 @@ import pytest
 
 from engine_sim.generation import expected_text
 from engine_sim.mooncake_master import MooncakeMaster
-from engine_sim.tokenizer import render_chat
 from tests.integration.harness import (
     SimCluster,
     SimPodSpec,
@@ -28,6 +27,7 @@ from tests.integration.harness import (
     wait_http,
     write_yaml,
 )
+from tests.sim_tokens import chat_ids, prompt_ids
 
 MODEL = "sim-pd-model"
 GROUPS = {"g0": ("127.0.0.31", "127.0.0.32"), "g1": ("127.0.0.41", "127.0.0.42")}
@@ -81,7 +81,7 @@ async def test_chat_non_streaming_decode_uses_prefill_kv(client: openai.AsyncOpe
         model=MODEL, messages=QUESTION, max_tokens=12  # type: ignore[arg-type]
     )
     completion = raw.parse()
-    prompt = render_chat(QUESTION)
+    prompt = chat_ids(QUESTION)
     assert completion.choices[0].message.content == expected_text(
         prompt, 12, kv_from_store=True, model=MODEL
     )
@@ -111,14 +111,14 @@ async def test_chat_streaming_passes_chunks_and_usage(client: openai.AsyncOpenAI
         if chunk.usage is not None:
             usage = chunk.usage
     assert "".join(pieces) == expected_text(
-        render_chat(messages), 20, kv_from_store=True, model=MODEL
+        chat_ids(messages), 20, kv_from_store=True, model=MODEL
     )
     assert chunks >= 20  # passed through chunk by chunk, not as one buffered answer
     assert usage is not None and usage.completion_tokens == 20
 
 
 async def test_completions_streaming_and_not(client: openai.AsyncOpenAI) -> None:
-    expected = expected_text(LONG_PROMPT, 8, kv_from_store=True, model=MODEL)
+    expected = expected_text(prompt_ids(LONG_PROMPT), 8, kv_from_store=True, model=MODEL)
     completion = await client.completions.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=8)
     assert completion.choices[0].text == expected
     stream = await client.completions.create(
@@ -235,7 +235,7 @@ async def test_yaml_edit_during_stream(cluster: tuple[SimCluster, int]) -> None:
                 "extra-pd", "extra-model", port=port))
             await asyncio.sleep(1.0)  # let the file source apply the edit mid-stream
     assert "".join(pieces) == expected_text(
-        render_chat(messages), 150, kv_from_store=True, model=MODEL
+        chat_ids(messages), 150, kv_from_store=True, model=MODEL
     )
     try:
         # The edit took effect: g1 has no decode pod, so every pair is now in g0.

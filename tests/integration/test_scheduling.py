@@ -7,7 +7,7 @@ feel); prefill pods have a small KV cache (256 blocks, three and a half of the
 uncached prompt token.
 The router runs in-process (uvicorn in the test loop) so a test can read its scheduler
 state; policies are switched by rewriting the --scheduler-config file (hot reload). The
-workload, the policies and the cluster are `router.scheduling.bench_policies`'s, so these
+workload, the policies and the cluster are `benchmarks.sched_policies`'s, so these
 tests and the figures measure the same thing. Each run sends its own `cache_salt`: the
 same token sequence, no KV left over from an earlier run.
 
@@ -23,8 +23,7 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 
-from engine_sim.kvstore import mooncake_import_error
-from router.scheduling.bench_policies import (
+from benchmarks.sched_policies import (
     DECODE_FLAGS,
     MODEL,
     PolicyCluster,
@@ -34,6 +33,7 @@ from router.scheduling.bench_policies import (
     shared_prefix,
     stream_chat,
 )
+from engine_sim.kvstore import mooncake_import_error
 from router.scheduling.kv_events import PodEventStream, scope_of
 from tests.integration.harness import metric_values
 

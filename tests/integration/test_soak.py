@@ -24,7 +24,6 @@ import aiohttp
 import pytest
 
 from engine_sim.generation import expected_text
-from engine_sim.tokenizer import render_chat
 from tests.integration.harness import SimCluster, free_port, write_yaml
 from tests.integration.test_faults_kit import (
     FaultCluster,
@@ -36,6 +35,7 @@ from tests.integration.test_faults_kit import (
     stream_text,
     wait_for,
 )
+from tests.sim_tokens import chat_ids, prompt_ids
 
 pytestmark = pytest.mark.integration
 
@@ -101,11 +101,11 @@ def plan(rng: random.Random, i: int) -> dict[str, Any]:
     if chat:
         messages = [{"role": "user", "content": text}]
         body: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": tokens}
-        prompt = render_chat(messages)
+        prompt = chat_ids(messages)
         path = "/v1/chat/completions"
     else:
         body = {"model": model, "prompt": text, "max_tokens": tokens}
-        prompt = text
+        prompt = prompt_ids(text)
         path = "/v1/completions"
     if stream:
         body["stream"] = True

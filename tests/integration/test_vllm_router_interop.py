@@ -27,8 +27,8 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from engine_sim.generation import expected_text
-from engine_sim.tokenizer import render_chat
 from tests.integration.harness import Process, SimCluster, SimPodSpec, free_port, get_json
+from tests.sim_tokens import chat_ids, prompt_ids
 
 pytestmark = pytest.mark.integration
 
@@ -194,9 +194,9 @@ async def test_chat_streaming_and_not(peer: Peer, pods: Pods) -> None:
     messages: list[ChatCompletionMessageParam] = [
         {"role": "user", "content": f"{peer.mode}: " + LONG_PROMPT}
     ]
-    expected = expected_text(render_chat(list(messages)), 12, kv_from_store=True, model=MODEL)
+    expected = expected_text(chat_ids(list(messages)), 12, kv_from_store=True, model=MODEL)
     assert expected != expected_text(
-        render_chat(list(messages)), 12, kv_from_store=False, model=MODEL
+        chat_ids(list(messages)), 12, kv_from_store=False, model=MODEL
     )
     completion = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12)
     assert completion.choices[0].message.content == expected
@@ -227,7 +227,7 @@ async def test_completions_streaming_and_not_across_every_pod(peer: Peer, pods: 
     served = {ip: _served(pods, ip) for ip in (*PREFILLS, *DECODES)}
     for i in range(4):  # round robin: every prefill and every decode pod serves twice
         prompt = f"{peer.mode} {i}: " + LONG_PROMPT
-        expected = expected_text(prompt, 6, kv_from_store=True, model=MODEL)
+        expected = expected_text(prompt_ids(prompt), 6, kv_from_store=True, model=MODEL)
         if i % 2:
             stream = await client.completions.create(
                 model=MODEL, prompt=prompt, max_tokens=6, stream=True

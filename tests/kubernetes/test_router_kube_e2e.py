@@ -23,11 +23,11 @@ from kube_testkit import FAST_EVENTS, FAST_TIMING, wait_until
 from prometheus_client import CollectorRegistry
 
 from engine_sim.generation import expected_text
-from engine_sim.tokenizer import render_chat
 from router.app import PDGateApp
 from router.sources.kubernetes import KubernetesSource
 from router.state import AppState, RouterConfig
 from tests.integration.harness import SimCluster, SimPodSpec, free_port
+from tests.sim_tokens import chat_ids
 
 MODEL = "deepseek_v4"
 SERVER = "deepseekv4-pd"
@@ -108,7 +108,7 @@ async def test_kthena_objects_applied_then_traffic_flows(cluster: KubeCluster) -
     )
     answer = raw.parse().choices[0].message.content
     assert answer == expected_text(
-        render_chat([{"role": "user", "content": "Where is the capital of China?"}]), 6,
+        chat_ids([{"role": "user", "content": "Where is the capital of China?"}]), 6,
         kv_from_store=True, model=MODEL,
     )
     prefill = raw.headers["x-pdgate-prefill-pod"]
@@ -166,7 +166,7 @@ async def test_model_route_edit_mid_stream(cluster: KubeCluster) -> None:
             route = model_route("deepseek-v4", MODEL, [SERVER])
             route["spec"]["loraAdapters"] = ["deepseek-lora"]
             cluster.api.update(route)
-    assert "".join(pieces) == expected_text(render_chat(messages), 120, kv_from_store=True,
+    assert "".join(pieces) == expected_text(chat_ids(messages), 120, kv_from_store=True,
                                             model=MODEL)
     await wait_until(lambda: "deepseek-lora" in cluster.state.view.snapshot.routes_by_model)
     answer = await client.chat.completions.create(

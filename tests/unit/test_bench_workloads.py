@@ -20,7 +20,7 @@ from benchmarks.workloads import (
     random_prompts,
     shared_prefix,
 )
-from engine_sim.tokenizer import encode, render_chat
+from tests.sim_tokens import chat_ids, prompt_ids
 
 SP = SharedPrefixParams(groups=3, questions=4, system_tokens=256, question_tokens=16,
                         output_tokens=4)
@@ -82,7 +82,7 @@ def test_shared_prefix_groups_share_their_system_prompt_and_are_shuffled() -> No
         assert body["max_tokens"] == SP.output_tokens and body["stream"] is True
     assert all(len(s) == 1 for s in systems.values()) and len(systems) == SP.groups
     assert order != sorted(order)  # groups interleave
-    tokens = len(encode(next(iter(systems["g0"]))))
+    tokens = len(prompt_ids(next(iter(systems["g0"]))))
     assert abs(tokens - SP.system_tokens) <= 8
 
 
@@ -91,10 +91,11 @@ def test_multi_round_history_grows_and_each_turn_extends_the_last() -> None:
     assert len(workload.sessions) == MR.users
     for session in workload.sessions:
         assert [spec.turn for spec in session] == list(range(MR.rounds))
-        prompts = [render_chat(orjson.loads(spec.body)["messages"]) for spec in session]
+        prompts = [chat_ids(orjson.loads(spec.body)["messages"]) for spec in session]
         for shorter, longer in itertools.pairwise(prompts):
-            # the previous prompt minus its generation prompt is a prefix of the next one
-            assert longer.startswith(shorter.removesuffix("<|im_start|>assistant\n"))
+            # the previous prompt's tokens are a prefix of the next one's (the template ends
+            # a user turn with the generation prompt itself)
+            assert longer[: len(shorter)] == shorter
             assert len(longer) > len(shorter)
 
 

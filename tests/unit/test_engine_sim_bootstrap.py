@@ -34,7 +34,7 @@ from engine_sim.kv_transfer import KVTransferError
 from engine_sim.kvstore import MemoryKVStore
 from engine_sim.latency import LatencyModel
 from engine_sim.protocol import Limits, parse_request
-from engine_sim.tokenizer import Tokenizer, render_chat
+from tests.sim_tokens import chat_ids, prompt_ids, sim_tokenizer
 
 MODEL = "m"
 PROMPT = "Tell me a story about rivers and mountains. " * 6  # several full KV blocks
@@ -209,7 +209,7 @@ class Pair:
     ) -> tuple[str, Any]:
         body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
                 "kv_transfer_params": params}  # fmt: skip
-        parsed = parse_request(body, "completion", _TOKENIZER, _LIMITS)
+        parsed = parse_request(body, "completion", sim_tokenizer(), _LIMITS)
         plan = parse_kv_transfer_params(parsed.kv_transfer_params)
         async with engine.run(parsed, "req", plan, 0.0) as generation:
             return "".join(generation.pieces), generation.kv_transfer_params
@@ -229,7 +229,6 @@ class Pair:
         return text
 
 
-_TOKENIZER = Tokenizer()
 _LIMITS = Limits(MODEL, max_model_len=32_768, default_max_tokens=16)
 
 
@@ -249,8 +248,8 @@ async def test_decode_sent_first_waits_for_prefill_kv(pair: Pair) -> None:
     _, handle = await pair.prefill_leg("xfer-a")
     assert handle is None  # upstream vLLM's prefill answers without a handle
     text = await asyncio.wait_for(decode, 5)
-    assert text == expected_text(PROMPT, 8, kv_from_store=True, model=MODEL)
-    assert text != expected_text(PROMPT, 8, kv_from_store=False, model=MODEL)
+    assert text == expected_text(prompt_ids(PROMPT), 8, kv_from_store=True, model=MODEL)
+    assert text != expected_text(prompt_ids(PROMPT), 8, kv_from_store=False, model=MODEL)
     stats = pair.decode.stats_json()
     assert stats["kv_blocks_read"] >= 2
     assert stats["mooncake_vllm"]["transfers_claimed"] == 1
@@ -263,7 +262,7 @@ async def test_prefill_first_then_decode_and_engine_ids_are_cached(pair: Pair) -
     for transfer_id in ("xfer-1", "xfer-2"):
         await pair.prefill_leg(transfer_id)
         text = await pair.decode_leg(transfer_id)
-        assert text == expected_text(PROMPT, 8, kv_from_store=True, model=MODEL)
+        assert text == expected_text(prompt_ids(PROMPT), 8, kv_from_store=True, model=MODEL)
     assert pair.bootstrap.queries == 1  # decode asks /query once per new engine id
 
 
@@ -277,11 +276,11 @@ async def test_chat_prompt_round_trip(pair: Pair) -> None:
             "do_remote_prefill": True, "transfer_id": "xfer-c",
             "remote_bootstrap_addr": pair.addr, "remote_engine_id": "eng-prefill"}}),
     ):  # fmt: skip
-        parsed = parse_request({**body, **extra}, "chat", _TOKENIZER, _LIMITS)
+        parsed = parse_request({**body, **extra}, "chat", sim_tokenizer(), _LIMITS)
         plan = parse_kv_transfer_params(parsed.kv_transfer_params)
         async with engine.run(parsed, "r", plan, 0.0) as generation:
             text = "".join(generation.pieces)
-    assert text == expected_text(render_chat(messages), 5, kv_from_store=True, model=MODEL)
+    assert text == expected_text(chat_ids(messages), 5, kv_from_store=True, model=MODEL)
 
 
 async def test_missing_kv_fails_after_the_bounded_wait() -> None:

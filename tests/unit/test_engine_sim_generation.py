@@ -15,21 +15,24 @@ from engine_sim.kv_params import (
 )
 from engine_sim.kv_transfer import KVTransferError, StoreKVTransfer
 from engine_sim.kvstore import MemoryKVStore
-from engine_sim.tokenizer import encode
+from tests.sim_tokens import prompt_ids
 
 MODEL = "m"
-PROMPT = "a fairly long prompt that spans more than two blocks of sixteen tokens each, " * 2
+TEXT = "a fairly long prompt that spans more than two blocks of sixteen tokens each, " * 4
+PROMPT = prompt_ids(TEXT)
 
 
 def test_expected_text_is_deterministic_and_tells_kv_source_apart() -> None:
     local = expected_text(PROMPT, 8, kv_from_store=False, model=MODEL)
-    assert local == expected_text(encode(PROMPT), 8, kv_from_store=False, model=MODEL)
+    assert local == expected_text(tuple(PROMPT), 8, kv_from_store=False, model=MODEL)
+    with pytest.raises(TypeError):
+        expected_text(TEXT, 8, kv_from_store=False, model=MODEL)  # type: ignore[arg-type]
     assert len(local.split(" ")) == 9 and all(w in WORDS for w in local.split())
     stored = expected_text(PROMPT, 8, kv_from_store=True, model=MODEL)
     assert stored != local
     assert stored != expected_text(PROMPT, 8, kv_from_store=True, model="other")
     assert expected_text(PROMPT, 3, kv_from_store=False, model=MODEL) == "".join(
-        output_pieces(local_seed(encode(PROMPT)), 3)
+        output_pieces(local_seed(PROMPT), 3)
     )
 
 
@@ -59,7 +62,7 @@ def test_parse_kv_transfer_params_modes() -> None:
 async def test_export_then_import_roundtrip_and_skip() -> None:
     store = MemoryKVStore(max_entries=100)
     transfer = StoreKVTransfer(store, MODEL, block_bytes=64)
-    hashes = hash_prompt_blocks(encode(PROMPT), 16)
+    hashes = hash_prompt_blocks(PROMPT, 16)
     assert len(hashes) >= 2
     first = await transfer.export_blocks(hashes)
     assert first.written == len(hashes) and first.skipped == 0
@@ -73,7 +76,7 @@ async def test_export_then_import_roundtrip_and_skip() -> None:
 async def test_import_failures_are_clear() -> None:
     store = MemoryKVStore()
     transfer = StoreKVTransfer(store, MODEL, block_bytes=64)
-    hashes = hash_prompt_blocks(encode(PROMPT), 16)
+    hashes = hash_prompt_blocks(PROMPT, 16)
     keys = [store_key(MODEL, h) for h in hashes]
     with pytest.raises(KVTransferError) as missing:
         await transfer.import_blocks(keys, hashes)

@@ -29,6 +29,7 @@ from engine_sim.kv_params import parse_kv_transfer_params
 from engine_sim.kvstore import MemoryKVStore
 from engine_sim.latency import LatencyModel
 from engine_sim.prefix_cache import PrefixCache
+from engine_sim.prompts import STAND_IN
 from engine_sim.protocol import parse_request
 from router.scheduling.kv_events import (
     Cleared,
@@ -372,8 +373,9 @@ async def test_sim_pod_publishes_serves_cache_and_cache_config_info(
 
 
 def _engine(publisher: KVEventPublisher | None, store: MemoryKVStore, **changes: Any) -> Engine:
+    # The stand-in tokenizer: one token per word and per space, so block counts are exact.
     config = SimConfig(role="prefill", model="m", port=0, host=HOST,
-                       latency=LatencyModel.fast(), **changes)
+                       latency=LatencyModel.fast(), tokenizer=STAND_IN, **changes)
     engine = Engine(config, store, publisher.on_cache_event if publisher else None)
     engine.kv_events = publisher
     return engine
@@ -399,7 +401,8 @@ async def test_engine_publishes_store_writes_with_the_mooncake_medium(rig: Rig) 
         events.extend(decode_batch((await rig.recv())[2]))
     gpu = [e for e in events if isinstance(e, Stored) and e.medium == "GPU"]
     pooled = [e for e in events if isinstance(e, Stored) and e.medium == "MOONCAKE"]
-    hashes = tuple(engine.block_hashes.hashes(engine.tokenizer.encode(prompt)))
+    ids = engine.tokenizer.request_ids("completion", {"prompt": prompt})[0]
+    hashes = tuple(engine.block_hashes.hashes(ids))
     assert gpu == [Stored(hashes, "GPU")] and pooled == [Stored(hashes, "MOONCAKE")]
     # The same prompt again: its blocks are in the store already, nothing new is published.
     await _prefill(engine, prompt)

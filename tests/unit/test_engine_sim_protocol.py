@@ -9,17 +9,17 @@ import pytest
 from engine_sim.cli import parse_config
 from engine_sim.protocol import Limits, RequestError, parse_request
 from engine_sim.render import generate_request
-from engine_sim.tokenizer import Tokenizer, encode, render_chat
+from tests.sim_tokens import chat_ids, prompt_ids, sim_tokenizer
 
 LIMITS = Limits(model="m", max_model_len=64, default_max_tokens=16)
-TOKENIZER = Tokenizer()
+TOKENIZER = sim_tokenizer()
 MESSAGES = [{"role": "user", "content": "Where is the capital of China?"}]
 
 
 def test_chat_request_defaults_and_precedence() -> None:
     parsed = parse_request({"messages": MESSAGES}, "chat", TOKENIZER, LIMITS)
     assert parsed.model == "m" and parsed.max_tokens == 16 and not parsed.stream
-    assert list(parsed.token_ids) == encode(render_chat(MESSAGES))
+    assert list(parsed.token_ids) == chat_ids(MESSAGES)
     parsed = parse_request(
         {"messages": MESSAGES, "max_tokens": 5, "max_completion_tokens": 3, "stream": True,
          "stream_options": {"include_usage": True}},
@@ -29,11 +29,11 @@ def test_chat_request_defaults_and_precedence() -> None:
 
 
 @pytest.mark.parametrize(
-    "prompt", ["hi there", ["hi there"], encode("hi there"), [encode("hi there")]]
+    "prompt", ["hi there", ["hi there"], prompt_ids("hi there"), [prompt_ids("hi there")]]
 )
 def test_completion_prompt_shapes(prompt: Any) -> None:
     parsed = parse_request({"prompt": prompt, "max_tokens": 2}, "completion", TOKENIZER, LIMITS)
-    assert list(parsed.token_ids) == encode("hi there")
+    assert list(parsed.token_ids) == prompt_ids("hi there")
 
 
 @pytest.mark.parametrize(

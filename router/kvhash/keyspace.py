@@ -175,6 +175,11 @@ class KeySpace:
     ) -> KeySpace:
         return cls(KeySettings(keys, VllmHashConfig(algo, python_hash_seed, block_size)))
 
+    def of_size(self, block_size: int) -> KeySpace:
+        """The same key space with another block size."""
+        vllm = replace(self.settings.vllm, block_size=block_size)
+        return KeySpace(replace(self.settings, vllm=vllm))
+
     def step(
         self, parent: ChainState, tokens: Sequence[int], extra_keys: ExtraKeys | None
     ) -> tuple[ChainState, int]:

@@ -178,7 +178,7 @@ async def test_frames_are_vllms_topic_seq_and_array_batch(rig: Rig) -> None:
     assert isinstance(event, VBlockStored)
     assert event.block_hashes == hashes and event.medium == "GPU"
     assert all(0 <= h < 1 << 64 for h in event.block_hashes)
-    assert decode_batch(payload) == [Stored(tuple(hashes), "GPU")]
+    assert decode_batch(payload) == [Stored(tuple(hashes), "GPU", None, tuple(prompt[:32]), 16)]
 
 
 async def test_one_batch_per_loop_tick_and_sequence_counts_up(rig: Rig) -> None:
@@ -196,9 +196,9 @@ async def test_one_batch_per_loop_tick_and_sequence_counts_up(rig: Rig) -> None:
     assert (int.from_bytes(seq0, "big"), int.from_bytes(seq1, "big")) == (0, 1)
     events = decode_batch(payload0)
     # Same tick: stored, then the evictions (one event), then the new blocks.
-    assert events[0] == Stored(tuple(first), "GPU")
+    assert events[0] == Stored(tuple(first), "GPU", None, tuple(tokens(8)), 4)
     assert events[1] == Removed((first[1], first[0]), "GPU")  # tail first, like the LRU
-    assert events[2] == Stored(tuple(second), "GPU")
+    assert events[2] == Stored(tuple(second), "GPU", None, tuple(tokens(8, 100)), 4)
     assert decode_batch(payload1) == [Cleared()]
     assert rig.publisher.last_seq == 1
 
@@ -226,7 +226,7 @@ async def test_replay_answers_from_a_bounded_ring() -> None:
             await rig.recv()
         got = await rig.replay(0)
         assert [seq for seq, _ in got] == [2, 3, 4]  # the ring kept the last three
-        assert decode_batch(got[0][1]) == [Stored((1002,), "MOONCAKE")]
+        assert decode_batch(got[0][1]) == [Stored((1002,), "MOONCAKE", None, tuple(tokens(16)), 16)]
         assert [seq for seq, _ in await rig.replay(4)] == [4]
         assert await rig.replay(9) == []
         assert rig.publisher.stats.replays == 3
@@ -373,7 +373,7 @@ async def test_sim_pod_publishes_serves_cache_and_cache_config_info(
 
 def _engine(publisher: KVEventPublisher | None, store: MemoryKVStore, **changes: Any) -> Engine:
     config = SimConfig(role="prefill", model="m", port=0, host=HOST,
-                       latency=LatencyModel.fast(), **changes)
+                       latency=LatencyModel.fast(), python_hash_seed="0", **changes)
     engine = Engine(config, store, publisher.on_cache_event if publisher else None)
     engine.kv_events = publisher
     return engine
@@ -400,7 +400,9 @@ async def test_engine_publishes_store_writes_with_the_mooncake_medium(rig: Rig) 
     gpu = [e for e in events if isinstance(e, Stored) and e.medium == "GPU"]
     pooled = [e for e in events if isinstance(e, Stored) and e.medium == "MOONCAKE"]
     hashes = tuple(engine.block_hashes.hashes(engine.tokenizer.encode(prompt)))
-    assert gpu == [Stored(hashes, "GPU")] and pooled == [Stored(hashes, "MOONCAKE")]
+    ids = tuple(engine.tokenizer.encode(prompt))[: 16 * len(hashes)]
+    assert gpu == [Stored(hashes, "GPU", None, ids, 16)]
+    assert pooled == [Stored(hashes, "MOONCAKE", None, ids, 16)]
     # The same prompt again: its blocks are in the store already, nothing new is published.
     await _prefill(engine, prompt)
     await tick()

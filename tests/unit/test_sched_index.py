@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from engine_sim.block_hash import hash_prompt_blocks
 from engine_sim.prefix_cache import PrefixCache
 from engine_sim.tokenizer import encode, render_chat
+from router.kvhash.keyspace import KeySpace
 from router.scheduling.approx_index import MIN_BLOCKS_PER_POD, ApproximatePrefixIndex
 from router.scheduling.block_hash import (
     PreciseHasher,
@@ -20,6 +21,8 @@ from router.scheduling.block_hash import (
 from router.scheduling.block_index import PodSlots, leading_depths, leading_depths_with_shared
 from router.scheduling.precise_index import PrecisePrefixIndex
 
+#: vLLM's own hashes of engines started with PYTHONHASHSEED=0 (the simulator's in tests).
+VLLM_SEED_0 = KeySpace.of("hashes", python_hash_seed="0")
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 
@@ -99,7 +102,7 @@ _message = st.fixed_dictionaries(
 @given(st.lists(_message, min_size=1, max_size=6), st.sampled_from([None, "salt"]))
 def test_precise_hashes_equal_the_engines(messages: list[dict[str, str]],
                                           salt: str | None) -> None:
-    hasher = PreciseHasher(block_size=4)  # small blocks: more of them to compare
+    hasher = PreciseHasher(VLLM_SEED_0.of_size(4))  # small blocks: more of them to compare
     body: dict[str, Any] = {"model": "m", "messages": messages}
     if salt:
         body["cache_salt"] = salt
@@ -114,7 +117,7 @@ def test_precise_hashes_equal_the_engines(messages: list[dict[str, str]],
 
 
 def test_precise_memo_reuses_a_shared_prefix_exactly() -> None:
-    hasher = PreciseHasher()
+    hasher = PreciseHasher(VLLM_SEED_0)
     system = "You are a careful assistant. " * 40
     for question in ("What is the capital of France?", "And of Italy?", "Why?"):
         body = chat(system, question)
@@ -126,7 +129,7 @@ def test_precise_memo_reuses_a_shared_prefix_exactly() -> None:
 
 
 def test_precise_hasher_completions_and_injected_tokenizer() -> None:
-    hasher = PreciseHasher()
+    hasher = PreciseHasher(VLLM_SEED_0)
     tokens = hasher.tokens(COMPLETIONS, {"prompt": "hello world " * 20})
     assert tokens is not None and list(tokens.ids) == encode("hello world " * 20)
     ids = list(range(40))
@@ -139,7 +142,7 @@ def test_precise_hasher_completions_and_injected_tokenizer() -> None:
 
 
 def test_precise_memo_is_bounded() -> None:
-    hasher = PreciseHasher(memo_entries=5, memo_hashes=10_000)
+    hasher = PreciseHasher(VLLM_SEED_0, memo_entries=5, memo_hashes=10_000)
     rng = random.Random(1)
     for _ in range(50):
         ids = [rng.randrange(30_000) for _ in range(200)]

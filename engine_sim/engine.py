@@ -188,7 +188,7 @@ class Engine:
                 )
             seed = local_seed(token_ids)
 
-        lease = self.cache.acquire(hashes, token_ids)
+        lease = self.cache.acquire(hashes, token_ids, request.cache_salt)
         total_blocks = -(-(num_tokens + request.max_tokens) // size)
         private = max(0, total_blocks - len(lease.block_hashes))
         self.cache.reserve_private(private)
@@ -204,7 +204,7 @@ class Engine:
                 self.stats.kv_blocks_write_skipped += exported.skipped
                 if self.kv_events is not None and exported.written_indices:
                     self.kv_events.store_written(
-                        hashes, exported.written_indices, token_ids, size
+                        hashes, exported.written_indices, token_ids, size, request.cache_salt
                     )
                 blocks = len(exported.keys)
                 if plan.transfer_id is not None:  # upstream vLLM Mooncake: no handle

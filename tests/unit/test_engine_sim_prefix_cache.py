@@ -51,7 +51,7 @@ def test_match_acquire_release_and_hits() -> None:
     events.clear()
     lease2 = cache.acquire(other, [*range(8), 50, 51, 52, 53])
     assert lease2.block_ids[:2] == lease.block_ids[:2]
-    assert events == [BlockStored((other[2],), other[1], (50, 51, 52, 53), BS)]
+    assert events == [BlockStored((other[2],), other[1], (50, 51, 52, 53), BS, first_block=2)]
 
 
 def test_lru_eviction_tail_first_and_held_blocks_stay() -> None:

@@ -20,6 +20,7 @@ from types import TracebackType
 from typing import Final, Literal
 
 from benchmarks.procs import ManagedProcess
+from engine_sim.block_hash import DEFAULT_HASH_SEED
 from engine_sim.ports import common_free_port as free_shared_port
 
 MODEL: Final = "bench-model"
@@ -143,6 +144,7 @@ class SimCluster:
                 "--model", MODEL, "--pod-name", pod.name,
                 "--engine-id", pod.name, "--log-level", "warning",
                 "--bootstrap-port", "0",  # runs overlap while old pods stop: no fixed port
+                "--python-hash-seed", DEFAULT_HASH_SEED,  # one root: the pods share a store
                 *store_flags,
                 *(["--fast"] if self.shape.fast else []),
                 *self.shape.sim_flags,

@@ -49,13 +49,16 @@ import uvicorn
 import yaml
 
 from benchmarks.words import sim_tokenizer, single_token_words
-from engine_sim.block_hash import hash_prompt_blocks
 from engine_sim.ports import common_free_port as free_port
 from engine_sim.prompts import DEFAULT_CHAT_TEMPLATE, DEFAULT_TOKENIZER
+from router.kvhash.keyspace import KeySpace
 from router.scheduling.config import SchedulerConfig, parse_scheduler_config
 from router.scheduling.runtime import SchedulerRuntime
 from router.state import AppState, RouterConfig
 from router.tokenization import CHAT_TEMPLATE_ANNOTATION, TOKENIZER_ANNOTATION
+
+#: PYTHONHASHSEED of the simulated pods: one root for all, as pods sharing a KV store need.
+POD_HASH_SEED: Final = "0"
 
 MODEL: Final = "sched-model"
 SERVER: Final = "sched-pd"
@@ -128,12 +131,13 @@ def best_hit_tokens(prompts: Sequence[Prompt], block_size: int = BLOCK_SIZE) -> 
     counts (whole blocks, the last prompt token always computed).
     """
     tokenizer = sim_tokenizer()
+    space = KeySpace.of(keys="tokens", block_size=block_size)
     seen: set[int] = set()
     hits = total = 0
     for prompt in prompts:
         messages = [{"role": r, "content": c} for r, c in prompt.messages]
         ids = tokenizer.chat_ids({"messages": messages})
-        hashes = hash_prompt_blocks(ids, block_size)
+        hashes = space.chain(ids)
         matched = 0
         for block_hash in hashes:
             if block_hash not in seen:
@@ -385,7 +389,8 @@ class PolicyCluster:
             "--port", str(self.port), "--model", MODEL, "--pod-name", pod.name,
             "--engine-id", pod.name, "--mooncake-master", rpc, "--metadata-server", metadata,
             # Explicit KV events ports: a pod that cannot publish fails instead of going quiet.
-            "--kv-events-port", "5557", "--kv-events-replay-port", "5558", *flags,
+            "--kv-events-port", "5557", "--kv-events-replay-port", "5558",
+            "--python-hash-seed", POD_HASH_SEED, *flags,
         ]  # fmt: skip
         with (self.workdir / f"pod-{pod.name}.log").open("wb") as log:
             self._processes[pod.name] = subprocess.Popen(

@@ -12,12 +12,18 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class BlockStored:
-    """Consecutive blocks of one prompt became cached; `parent_block_hash` precedes the first."""
+    """Consecutive blocks of one prompt became cached; `parent_block_hash` precedes the first.
+
+    `first_block` is the index of the first of them in the prompt and `cache_salt` the
+    prompt's salt: together they give each block's extra keys (vLLM salts block 0 only).
+    """
 
     block_hashes: tuple[int, ...]
     parent_block_hash: int | None
     token_ids: tuple[int, ...]
     block_size: int
+    first_block: int = 0
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

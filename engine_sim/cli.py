@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import cast
 
-from engine_sim.block_hash import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_SEED
+from engine_sim.block_hash import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ALGO
 from engine_sim.bootstrap import (
     DEFAULT_BOOTSTRAP_PORT,
     DEFAULT_KV_WAIT_TIMEOUT_S,
@@ -35,6 +35,7 @@ from engine_sim.prompts import DEFAULT_TOKENIZER, STAND_IN
 from engine_sim.scheduler import DEFAULT_MAX_WAITING
 from engine_sim.service import serve
 from engine_sim.stats import DEFAULT_RECENT_RECORDS
+from router.kvhash.vllm import HASH_ALGOS
 from router.tokenization import TokenizerLoadError, TokenizerNotFound
 
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::")
@@ -106,7 +107,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_KV_BLOCK_BYTES,
         help="bytes of one simulated KV block in the store",
     )
-    add("--hash-seed", default=DEFAULT_HASH_SEED, help="root seed of block hashes")
+    add(
+        "--prefix-caching-hash-algo",
+        choices=HASH_ALGOS,
+        default=DEFAULT_HASH_ALGO,
+        help="block hash algorithm, as vLLM's flag",
+    )
+    add(
+        "--python-hash-seed",
+        default=os.environ.get("PYTHONHASHSEED"),
+        help="root of block hashes, as vLLM's PYTHONHASHSEED (default: that variable; "
+        "unset: random per process)",
+    )
     add(
         "--block-ids-per-group",
         action="store_true",
@@ -279,7 +291,8 @@ def _parse(argv: Sequence[str] | None) -> tuple[SimConfig, argparse.Namespace]:
         block_size=args.block_size,
         kv_capacity_blocks=args.kv_capacity_blocks,
         kv_block_bytes=args.kv_block_bytes,
-        hash_seed=args.hash_seed,
+        hash_algo=args.prefix_caching_hash_algo,
+        python_hash_seed=args.python_hash_seed,
         block_ids_per_group=args.block_ids_per_group,
         max_num_seqs=args.max_num_seqs,
         max_waiting=args.max_waiting,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from engine_sim.block_hash import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_SEED
+from engine_sim.block_hash import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ALGO
 from engine_sim.bootstrap import DEFAULT_KV_WAIT_TIMEOUT_S
 from engine_sim.faults import FaultSpec
 from engine_sim.kv_blocks import DEFAULT_KV_BLOCK_BYTES
@@ -15,6 +15,7 @@ from engine_sim.prefix_cache import DEFAULT_CAPACITY_BLOCKS
 from engine_sim.prompts import DEFAULT_TOKENIZER
 from engine_sim.scheduler import DEFAULT_MAX_WAITING
 from engine_sim.stats import DEFAULT_RECENT_RECORDS
+from router.kvhash.vllm import HashAlgo
 
 Role = Literal["prefill", "decode", "both"]
 
@@ -35,7 +36,9 @@ class SimConfig:
     block_size: int = DEFAULT_BLOCK_SIZE
     kv_capacity_blocks: int = DEFAULT_CAPACITY_BLOCKS
     kv_block_bytes: int = DEFAULT_KV_BLOCK_BYTES
-    hash_seed: str = DEFAULT_HASH_SEED
+    # vLLM's --prefix-caching-hash-algo and PYTHONHASHSEED (None: unset, a random root).
+    hash_algo: HashAlgo = DEFAULT_HASH_ALGO
+    python_hash_seed: str | None = None
     block_ids_per_group: bool = False
     # Upstream vLLM MooncakeConnector (engine_sim.bootstrap). None: 8998, best effort.
     bootstrap_port: int | None = None

@@ -69,7 +69,9 @@ class Engine:
         self.config = config
         self.tokenizer = tokenizer or load_tokenizer(config.tokenizer, config.chat_template)
         self.limits = Limits(config.model, config.max_model_len, config.default_max_tokens)
-        self.block_hashes = BlockHashMemo(config.block_size, config.hash_seed)
+        self.block_hashes = BlockHashMemo(
+            config.block_size, config.python_hash_seed, config.hash_algo
+        )
         self.cache = PrefixCache(config.kv_capacity_blocks, config.block_size, on_cache_event)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_waiting)
         self.transfer = (
@@ -190,7 +192,7 @@ class Engine:
                 )
             seed = local_seed(token_ids)
 
-        lease = self.cache.acquire(hashes, token_ids)
+        lease = self.cache.acquire(hashes, token_ids, request.cache_salt)
         total_blocks = -(-(num_tokens + request.max_tokens) // size)
         private = max(0, total_blocks - len(lease.block_hashes))
         self.cache.reserve_private(private)
@@ -206,7 +208,7 @@ class Engine:
                 self.stats.kv_blocks_write_skipped += exported.skipped
                 if self.kv_events is not None and exported.written_indices:
                     self.kv_events.store_written(
-                        hashes, exported.written_indices, token_ids, size
+                        hashes, exported.written_indices, token_ids, size, request.cache_salt
                     )
                 blocks = len(exported.keys)
                 if plan.transfer_id is not None:  # upstream vLLM Mooncake: no handle

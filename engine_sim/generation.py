@@ -18,11 +18,13 @@ from typing import Final
 
 from engine_sim.block_hash import (
     DEFAULT_BLOCK_SIZE,
+    DEFAULT_HASH_ALGO,
     DEFAULT_HASH_SEED,
     hash_prompt_blocks,
     pack_tokens,
 )
 from engine_sim.kv_blocks import DEFAULT_KV_BLOCK_BYTES, block_payload, kv_digest
+from router.kvhash.vllm import HashAlgo
 
 WORDS: Final = (
     "the", "of", "and", "to", "in", "a", "is", "that", "for", "it", "as", "was", "with",
@@ -63,18 +65,22 @@ def expected_text(
     kv_block_bytes: int = DEFAULT_KV_BLOCK_BYTES,
     cache_salt: str | None = None,
     hash_seed: str = DEFAULT_HASH_SEED,
+    hash_algo: HashAlgo = DEFAULT_HASH_ALGO,
 ) -> str:
     """The text a pod answers for a prompt of these token ids (the engine's own: e.g. its
     `/tokenize` answer, or `engine_sim.prompts.load_tokenizer().request_ids(...)`).
 
     With `kv_from_store`, assumes prefill exported every full block of the prompt, which is
-    what the simulator's prefill does. Defaults match the CLI's defaults.
+    what the simulator's prefill does. Defaults match pdgate's launchers (the pods' seed
+    is `DEFAULT_HASH_SEED`).
     """
     if isinstance(token_ids, str):
         raise TypeError("expected_text takes the prompt's token ids, not its text")
     token_ids = list(token_ids)
     if kv_from_store:
-        hashes = hash_prompt_blocks(token_ids, block_size, cache_salt=cache_salt, seed=hash_seed)
+        hashes = hash_prompt_blocks(
+            token_ids, block_size, cache_salt=cache_salt, seed=hash_seed, algo=hash_algo
+        )
         digest = kv_digest(block_payload(model, h, kv_block_bytes) for h in hashes)
         seed = store_seed(digest, token_ids)
     else:

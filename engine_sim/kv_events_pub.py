@@ -10,10 +10,18 @@ structs of the vLLM releases that router decoders were written against):
   omit_defaults=True`; data_parallel_rank is 0); each event is a tagged array (`tag=True`;
   msgspec writes every field of an array_like struct, defaults included):
       ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id,
-       medium, lora_name, extra_keys, group_idx]      (lora_*, extra_keys, group_idx: None)
+       medium, lora_name, extra_keys, group_idx, kv_cache_spec_kind,
+       kv_cache_spec_sliding_window]
       ["BlockRemoved", block_hashes, medium, group_idx]
       ["AllBlocksCleared"]
-  Block hashes are the prefix cache's own (`engine_sim.block_hash`), 64-bit unsigned ints;
+  as vLLM's `BlockPool.cache_full_blocks` fills them: `parent_block_hash` None for a
+  prompt's first block, `token_ids` the run's tokens, `lora_*` None (no adapters here),
+  `extra_keys` one entry per block (`("<cache_salt>",)` on a salted prompt's block 0,
+  else None; vllm#33304), `group_idx` 0 and `kv_cache_spec_kind` "full_attention" (the one
+  full-attention group; vllm#37688, vllm#40984). Block hashes are vLLM's
+  (`engine_sim.block_hash`, i.e. `router.kvhash.vllm`), 64-bit unsigned ints. (vLLM after
+  vllm#42892 writes each event as a map with the tag under "type" instead; subscribers
+  read both.)
 - a ZMQ ROUTER replay socket on `--kv-events-replay-port` (default 5558) keeps the last
   `buffer_steps` batches: a client sends `[b"", start seq (8 bytes big-endian)]` and gets
   `[b"", seq, payload]` for every buffered batch with seq >= start, then
@@ -54,6 +62,7 @@ from engine_sim.cache_events import AllBlocksCleared as CacheCleared
 from engine_sim.cache_events import BlockRemoved as CacheRemoved
 from engine_sim.cache_events import BlockStored as CacheStored
 from engine_sim.cache_events import CacheEvent
+from router.kvhash.vllm import block_extra_keys
 
 if TYPE_CHECKING:
     from engine_sim.config import SimConfig
@@ -98,6 +107,8 @@ class BlockStored(KVCacheEvent):
     lora_name: str | None
     extra_keys: list[Any] | None = None
     group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
 
 
 class BlockRemoved(KVCacheEvent):
@@ -118,6 +129,35 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 
 Event = BlockStored | BlockRemoved | AllBlocksCleared
 _encoder = msgspec.msgpack.Encoder()
+FULL_ATTENTION: Final = "full_attention"
+
+
+def block_stored_event(
+    block_hashes: Sequence[int],
+    parent: int | None,
+    token_ids: Sequence[int],
+    block_size: int,
+    medium: str,
+    first_block: int,
+    cache_salt: str | None,
+) -> BlockStored:
+    """A `BlockStored` as vLLM fills it for a run of a prompt's blocks (module docstring)."""
+    extra = [
+        block_extra_keys(index * block_size, (index + 1) * block_size, cache_salt=cache_salt)
+        for index in range(first_block, first_block + len(block_hashes))
+    ]
+    return BlockStored(
+        block_hashes=list(block_hashes),
+        parent_block_hash=parent,
+        token_ids=list(token_ids),
+        block_size=block_size,
+        lora_id=None,
+        medium=medium,
+        lora_name=None,
+        extra_keys=extra,
+        group_idx=0,
+        kv_cache_spec_kind=FULL_ATTENTION,
+    )
 
 
 class KVEventsError(Exception):
@@ -208,14 +248,9 @@ class KVEventPublisher:
         """The prefix cache's hook (`PrefixCache(on_event=...)`): the pod's own GPU cache."""
         if isinstance(event, CacheStored):
             self._add(
-                BlockStored(
-                    block_hashes=list(event.block_hashes),
-                    parent_block_hash=event.parent_block_hash,
-                    token_ids=list(event.token_ids),
-                    block_size=event.block_size,
-                    lora_id=None,
-                    medium=MEDIUM_GPU,
-                    lora_name=None,
+                block_stored_event(
+                    event.block_hashes, event.parent_block_hash, event.token_ids,
+                    event.block_size, MEDIUM_GPU, event.first_block, event.cache_salt,
                 )
             )
         elif isinstance(event, CacheRemoved):
@@ -229,6 +264,7 @@ class KVEventPublisher:
         written: Sequence[int],
         token_ids: Sequence[int],
         block_size: int,
+        cache_salt: str | None = None,
     ) -> None:
         """Blocks `written` (indices into the prompt's `block_hashes`) went to the store.
 
@@ -242,14 +278,11 @@ class KVEventPublisher:
                 end += 1
             first, last = written[start], written[end - 1]
             self._add(
-                BlockStored(
-                    block_hashes=list(block_hashes[first : last + 1]),
-                    parent_block_hash=block_hashes[first - 1] if first > 0 else None,
-                    token_ids=list(token_ids[first * block_size : (last + 1) * block_size]),
-                    block_size=block_size,
-                    lora_id=None,
-                    medium=MEDIUM_MOONCAKE,
-                    lora_name=None,
+                block_stored_event(
+                    block_hashes[first : last + 1],
+                    block_hashes[first - 1] if first > 0 else None,
+                    token_ids[first * block_size : (last + 1) * block_size],
+                    block_size, MEDIUM_MOONCAKE, first, cache_salt,
                 )
             )
             start = end
@@ -445,6 +478,7 @@ __all__ = [
     "KVEventPublisher",
     "KVEventsError",
     "add_debug_routes",
+    "block_stored_event",
     "cached_block_hashes",
     "start_kv_events",
     "tcp_endpoint",

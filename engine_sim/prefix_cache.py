@@ -83,11 +83,17 @@ class PrefixCache:
             count += 1
         return count
 
-    def acquire(self, block_hashes: Sequence[int], token_ids: Sequence[int]) -> CacheLease:
+    def acquire(
+        self,
+        block_hashes: Sequence[int],
+        token_ids: Sequence[int],
+        cache_salt: str | None = None,
+    ) -> CacheLease:
         """Hold a prompt's blocks, caching the missing ones (evicting LRU blocks for room).
 
         Stops at the first block that finds no room: a block without its parent is useless.
-        `token_ids` are the prompt's tokens, used only for `BlockStored` events.
+        `token_ids` (the prompt's tokens) and `cache_salt` are used only for `BlockStored`
+        events.
         """
         held: list[int] = []
         ids: list[int] = []
@@ -110,10 +116,10 @@ class PrefixCache:
             if stored_from is not None and (
                 index + 1 == len(block_hashes) or block_hashes[index + 1] in self._blocks
             ):
-                self._emit_stored(block_hashes, token_ids, stored_from, index + 1)
+                self._emit_stored(block_hashes, token_ids, stored_from, index + 1, cache_salt)
                 stored_from = None
         if stored_from is not None:
-            self._emit_stored(block_hashes, token_ids, stored_from, len(held))
+            self._emit_stored(block_hashes, token_ids, stored_from, len(held), cache_salt)
         return CacheLease(tuple(held), tuple(ids))
 
     def release(self, lease: CacheLease) -> None:
@@ -161,7 +167,12 @@ class PrefixCache:
         return True
 
     def _emit_stored(
-        self, block_hashes: Sequence[int], token_ids: Sequence[int], start: int, end: int
+        self,
+        block_hashes: Sequence[int],
+        token_ids: Sequence[int],
+        start: int,
+        end: int,
+        cache_salt: str | None,
     ) -> None:
         if self._on_event is None or end <= start:
             return
@@ -172,5 +183,7 @@ class PrefixCache:
                 parent_block_hash=block_hashes[start - 1] if start > 0 else None,
                 token_ids=tuple(token_ids[start * size : end * size]),
                 block_size=size,
+                first_block=start,
+                cache_salt=cache_salt,
             )
         )

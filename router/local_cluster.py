@@ -21,6 +21,8 @@ from router.sources.files import load_directory
 from router.view import ClusterView, Endpoint
 
 STARTUP_TIMEOUT_SECONDS = 60.0
+#: PYTHONHASHSEED of the simulated pods (vLLM: unset means a random root per process).
+POD_HASH_SEED = "0"
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +95,8 @@ class LocalCluster:
                     "--pod-name", endpoint.pod_name,
                     "--mooncake-master", master.rpc_address,
                     "--metadata-server", master.metadata_url,
+                    # One PYTHONHASHSEED for all pods, as pods sharing a Mooncake Store need.
+                    "--python-hash-seed", POD_HASH_SEED,
                 ]
             )
         for spec in self.pods:

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -28,6 +29,7 @@ from typing import Any
 import openai
 import pytest
 
+from engine_sim.block_hash import DEFAULT_HASH_SEED
 from engine_sim.kvstore import mooncake_import_error
 from engine_sim.mooncake_master import MooncakeMaster
 
@@ -122,10 +124,14 @@ class SimPodLauncher:
             master = self._masters.get()
             args += ["--mooncake-master", master.rpc_address]
             args += ["--metadata-server", master.metadata_url]
+        # One PYTHONHASHSEED for every pod (pods sharing a store need one root), unless a
+        # test passes python_hash_seed=None: then each pod draws its own, as vLLM does.
+        flags.setdefault("python_hash_seed", DEFAULT_HASH_SEED)
         args += _flag_args(flags)
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
         with log_path.open("wb") as log:
             process = subprocess.Popen(
-                args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
+                args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env
             )
         pod = SimPod(role, model, engine_id, 0, process, log_path, args)
         self.pods.append(pod)

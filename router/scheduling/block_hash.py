@@ -26,26 +26,27 @@ batch (a list of prompts) the first.
 
 Precise (`PreciseHasher`), for the `precise-prefix-cache` scorer
 -----------------------------------------------------------------
-These must equal the engine's own block hashes, the ones its KV events carry, bit for
-bit. The contract is the engine simulator's, imported, never re-implemented:
+These must equal the keys the precise index holds for the engine's blocks, so the token
+ids must be the engine's own:
 
 - token ids: the ModelServer's own tokenizer and chat template
   (`router.tokenization`, configured by the `pdgate.io/tokenizer` annotations): chat
   rendered and encoded as vLLM does, completions `prompt` as given (a string, token ids,
   or the first of a batch); no tokenizer, no precise hashes (the scorer sees no blocks);
-- block hashes: `engine_sim.block_hash.hash_prompt_blocks(tokens, block_size,
-  cache_salt=body["cache_salt"], seed=hash_seed)`: 16-token blocks, sha256 over
-  (parent hash, token ids, extra keys), low 64 bits; the first block's parent is
-  `root_hash(seed)` and its extra keys are `(cache_salt,)`. The model name is NOT part of
-  this hash (as in vLLM).
+- block keys: the ModelServer's `router.kvhash.KeySpace`: vLLM's own block hashes
+  (`hashes`: the event ints of vLLM's chained digests, with the server's hash algo,
+  PYTHONHASHSEED and block size, `cache_salt` in the first block's extra keys) or the
+  router's token keys (`tokens`), see `router.kvhash.keyspace`. The model name is NOT
+  part of either (as in vLLM).
 
 Two exact shortcuts keep the per-request cost down, and unit tests check both against
 the reference functions:
 - the tokenizer memoizes the pieces between added tokens where that is exact for the
   tokenizer (`router.tokenization.tokenizer`), so a shared system prompt is encoded once;
-- the hashes of a prefix's blocks are memoized under an xxh3-64 of (seed, salt, the
-  prefix's token ids), at a few checkpoints (`PreciseHasher`); `hash_block_tokens`
-  computes the blocks past the longest memoized prefix.
+- the keys of a prefix's blocks are memoized under an xxh3-64 of (key space, salt, the
+  prefix's token ids), at a few checkpoints (`PreciseHasher`), with the chain state after
+  the prefix (vLLM's full digest in `hashes` mode), so only the blocks past the longest
+  memoized prefix are hashed.
 """
 
 from __future__ import annotations
@@ -59,13 +60,7 @@ from typing import Any, Final
 import orjson
 import xxhash
 
-from engine_sim.block_hash import (
-    DEFAULT_BLOCK_SIZE,
-    DEFAULT_HASH_SEED,
-    hash_block_tokens,
-    hash_prompt_blocks,
-    root_hash,
-)
+from router.kvhash.keyspace import ChainState, KeySpace
 from router.resources import ModelServer
 from router.tokenization import ChatInputError, Endpoint, TokenizerRegistry
 
@@ -181,42 +176,44 @@ class PromptTokens:
 
 
 class PreciseHasher:
-    """Engine-exact block hashes of a request (see the module docstring for the contract).
+    """Engine-exact block keys of a request (see the module docstring for the contract).
 
     `tokenize` may be injected (path, body -> token ids or None); by default the
-    ModelServer's tokenizer from `tokenizers` is used. One instance per scheduler: it owns its
-    bounded caches, nothing is global.
+    ModelServer's tokenizer from `tokenizers` is used. `space` is the key space used when a
+    call names none (a ModelServer without settings of its own). One instance per
+    scheduler: it owns its bounded caches, nothing is global.
 
-    Memo: (seed, salt, token ids of a prefix) -> the hashes of that prefix's full blocks,
-    stored at checkpoints (the end of the first message, of the last two messages, and
-    every power-of-two block count) and probed from the longest checkpoint down, so a
-    shared system prompt or a conversation's earlier turns cost one xxh3 call over their
-    tokens instead of one sha256 per block. Bounded by `PRECISE_HASH_MEMO_ENTRIES`
-    entries and `PRECISE_HASH_MEMO_HASHES` stored hashes, oldest entries dropped first.
+    Memo: (key space, salt, token ids of a prefix) -> the keys of that prefix's full
+    blocks and the chain state after them, stored at checkpoints (the end of the first
+    message, of the last two messages, and every power-of-two block count) and probed
+    from the longest checkpoint down, so a shared system prompt or a conversation's
+    earlier turns cost one xxh3 call over their tokens instead of one hash per block.
+    Bounded by `PRECISE_HASH_MEMO_ENTRIES` entries and `PRECISE_HASH_MEMO_HASHES` stored
+    keys, oldest entries dropped first.
     """
 
     def __init__(
         self,
-        block_size: int = DEFAULT_BLOCK_SIZE,
-        hash_seed: str = DEFAULT_HASH_SEED,
+        space: KeySpace | None = None,
         tokenize: TokenSource | None = None,
         memo_entries: int = PRECISE_HASH_MEMO_ENTRIES,
         max_blocks: int = DEFAULT_MAX_PROMPT_BLOCKS,
         memo_hashes: int = PRECISE_HASH_MEMO_HASHES,
         tokenizers: TokenizerRegistry | None = None,
     ) -> None:
-        if block_size <= 0:
-            raise ValueError("block_size must be positive")
-        self.block_size = block_size
-        self.hash_seed = hash_seed
+        self.space = space if space is not None else KeySpace.of()
         self.max_blocks = max_blocks
-        self._root = root_hash(hash_seed)
-        self._memo: OrderedDict[int, tuple[int, ...]] = OrderedDict()
+        self._memo: OrderedDict[int, tuple[tuple[int, ...], ChainState]] = OrderedDict()
         self._memo_entries = memo_entries
         self._memo_hashes = memo_hashes
         self._memo_stored = 0
         self._injected = tokenize
         self._tokenizers = tokenizers
+
+    @property
+    def block_size(self) -> int:
+        """The default key space's block size."""
+        return self.space.block_size
 
     def tokens(
         self, path: str, body: Mapping[str, Any], server: ModelServer | None = None
@@ -242,10 +239,16 @@ class PreciseHasher:
         return PromptTokens(prompts[0]) if prompts else None
 
     def block_hashes(
-        self, tokens: Sequence[int], cache_salt: str | None, message_ends: Sequence[int] = ()
+        self,
+        tokens: Sequence[int],
+        cache_salt: str | None,
+        message_ends: Sequence[int] = (),
+        space: KeySpace | None = None,
+        lora_name: str | None = None,
     ) -> list[int]:
-        """Engine block hashes of every full block of `tokens` (memoized; exact)."""
-        size = self.block_size
+        """Index keys of every full block of `tokens` in `space` (memoized; exact)."""
+        space = space or self.space
+        size = space.block_size
         count = min(len(tokens) // size, self.max_blocks)
         if count <= 0:
             return []
@@ -253,30 +256,38 @@ class PreciseHasher:
         try:
             packed = array.array("I", tokens[:limit]).tobytes()
         except (TypeError, OverflowError):
-            return hash_prompt_blocks(
-                tokens[:limit], size, cache_salt=cache_salt, seed=self.hash_seed
-            )
-        seed = _xxh3((cache_salt or "").encode(), self._root)
+            return space.chain(tokens[:limit], cache_salt=cache_salt, lora_name=lora_name)
+        salt = (cache_salt or "").encode() + b"\0" + (lora_name or "").encode()
+        seed = _xxh3(salt, space.ident)
         checkpoints = self._checkpoints(count, size, limit, message_ends)
         memo = self._memo
         view = memoryview(packed)
         keys: list[tuple[int, int]] = []
         known: tuple[int, ...] = ()
+        state: ChainState = space.root
         for point in checkpoints:  # longest first
             key = _xxh3(view[: point * 4], seed)
             hit = memo.get(key)
             if hit is not None:
-                known = hit
+                known, state = hit
                 break
             keys.append((point, key))
         hashes = list(known)
-        parent = hashes[-1] if hashes else self._root
-        for i in range(len(hashes), count):
-            extra = (cache_salt,) if i == 0 and cache_salt is not None else None
-            parent = hash_block_tokens(parent, tokens[i * size : (i + 1) * size], extra)
-            hashes.append(parent)
-        for point, key in keys:
-            self._remember(key, tuple(hashes[: point // size]))
+        done = len(known)
+        for point, key in reversed(keys):  # shortest first: one pass, states on the way
+            blocks = point // size
+            if blocks > done:
+                more, state = space.extend(
+                    tokens, done, blocks, state, cache_salt=cache_salt, lora_name=lora_name
+                )
+                hashes += more
+                done = blocks
+            self._remember(key, tuple(hashes[:blocks]), state)
+        if count > done:
+            more, _ = space.extend(
+                tokens, done, count, state, cache_salt=cache_salt, lora_name=lora_name
+            )
+            hashes += more
         return hashes
 
     @staticmethod
@@ -295,15 +306,15 @@ class PreciseHasher:
                     points.add(end)
         return sorted(points, reverse=True)
 
-    def _remember(self, key: int, hashes: tuple[int, ...]) -> None:
+    def _remember(self, key: int, hashes: tuple[int, ...], state: ChainState) -> None:
         if not hashes or key in self._memo:
             return
-        self._memo[key] = hashes
+        self._memo[key] = (hashes, state)
         self._memo_stored += len(hashes)
         while self._memo and (
             len(self._memo) > self._memo_entries or self._memo_stored > self._memo_hashes
         ):
-            _, dropped = self._memo.popitem(last=False)
+            _, (dropped, _) = self._memo.popitem(last=False)
             self._memo_stored -= len(dropped)
 
     @property

@@ -19,7 +19,8 @@
     approximateIndex: {blockBytes: 256, charsPerToken: 4.0,
                        defaultCapacityTokens: 524288, maxBlocksPerPod: 1048576,
                        maxPromptBlocks: 4096}
-    preciseIndex: {enabled: auto, blockSize: 16, hashSeed: "0", eventsPort: 5557,
+    preciseIndex: {enabled: auto, blockSize: 16, keys: auto, hashAlgo: sha256,
+                   hashSeed: null, eventsPort: 5557,
                    replayPort: 5558, replayTimeout: 500ms, replayOnJoin: true,
                    maxBlocksPerPod: 262144, maxStoreBlocks: 1048576,
                    storeMedia: [MOONCAKE]}
@@ -32,7 +33,11 @@ Every section and key is optional; a missing profile gets its default (DEFAULT_P
 a profile given replaces the default one whole. Unknown keys are errors (a typo must not
 silently fall back to a default). Durations are Go-style strings ("200ms") or seconds.
 `preciseIndex.enabled: auto` subscribes to KV events only when some profile uses the
-`precise-prefix-cache` scorer.
+`precise-prefix-cache` scorer. `preciseIndex.keys/hashAlgo/hashSeed/blockSize` are the
+defaults of every ModelServer's block keying (`router.kvhash.keyspace`; per server, the
+`pdgate.io/precise-index-keys`, `.../prefix-caching-hash-algo`, `.../python-hash-seed` and
+`.../block-size` annotations): `hashSeed` is the engines' PYTHONHASHSEED, null when unset
+(vLLM's default), which makes `keys: auto` key blocks by their token ids.
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ from typing import Any, Final, Literal
 
 import yaml
 
+from router.kvhash.keyspace import KEYS_SETTINGS, KeySettings
+from router.kvhash.vllm import HASH_ALGOS, VllmHashConfig, parse_algo
 from router.resources import parse_duration
 from router.scheduling.block_hash import DEFAULT_APPROX_BLOCK_BYTES
 from router.scheduling.context import CostModel
@@ -123,7 +130,9 @@ class ApproximateIndexConfig:
 class PreciseIndexConfig:
     enabled: bool | Literal["auto"] = "auto"
     block_size: int = 16
-    hash_seed: str = "0"
+    keys: str = "auto"
+    hash_algo: str = "sha256"
+    hash_seed: str | None = None
     events_port: int = 5557
     replay_port: int | None = 5558
     replay_timeout_s: float = 0.5
@@ -150,6 +159,15 @@ class SessionsConfig:
 @dataclass(frozen=True, slots=True)
 class ReloadConfig:
     interval_s: float = 1.0
+
+
+def key_settings(config: PreciseIndexConfig) -> KeySettings:
+    """The default block keying of every ModelServer (validated by `_check`)."""
+    keys = config.keys if config.keys in KEYS_SETTINGS else "auto"
+    return KeySettings(
+        keys,  # type: ignore[arg-type]
+        VllmHashConfig(parse_algo(config.hash_algo), config.hash_seed, config.block_size),
+    )
 
 
 def component(kind: Literal["scorer", "filter"], name: str, weight: float = 1.0,
@@ -301,6 +319,10 @@ def _section(cls: type[Any], raw: Any, where: str, base: Any = None) -> Any:
         default = getattr(current, f.name)
         if _is_duration(f.name):
             changes[f.name] = _seconds(value, here)
+        elif f.name == "hash_seed":
+            if value is not None and not isinstance(value, str | int):
+                raise SchedulerConfigError(f"{here}: must be a string or null")
+            changes[f.name] = None if value is None else str(value)
         elif f.name == "replay_port":
             changes[f.name] = (
                 None if value in (None, 0, "none") else int(_number(value, here, True))
@@ -425,6 +447,14 @@ def _check(config: SchedulerConfig, source: str) -> None:
         raise SchedulerConfigError(f"{source}.approximateIndex.charsPerToken: must be positive")
     if config.precise_index.block_size <= 0:
         raise SchedulerConfigError(f"{source}.preciseIndex.blockSize: must be positive")
+    if config.precise_index.hash_algo not in HASH_ALGOS:
+        raise SchedulerConfigError(
+            f"{source}.preciseIndex.hashAlgo: must be one of {', '.join(HASH_ALGOS)}"
+        )
+    if config.precise_index.keys not in KEYS_SETTINGS:
+        raise SchedulerConfigError(
+            f"{source}.preciseIndex.keys: must be one of {', '.join(KEYS_SETTINGS)}"
+        )
     if config.engine_metrics.interval_s <= 0 or config.engine_metrics.timeout_s <= 0:
         raise SchedulerConfigError(f"{source}.engineMetrics: interval and timeout must be > 0")
     if config.sessions.max_sessions <= 0:
@@ -476,6 +506,7 @@ __all__ = [
     "SchedulerConfigError",
     "SessionsConfig",
     "component",
+    "key_settings",
     "load_scheduler_config",
     "parse_scheduler_config",
 ]

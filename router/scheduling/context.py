@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final, Literal
 
+from router.kvhash.keyspace import KeySpace
 from router.load import InFlight
 from router.resources import ModelServer
 from router.scheduling import ScheduleRequest
@@ -139,6 +140,7 @@ class PromptInfo:
         "_hasher",
         "_max_blocks",
         "_precise",
+        "_precise_space",
         "_rendered",
         "_server",
         "_tokens",
@@ -164,6 +166,7 @@ class PromptInfo:
         self._approx: list[int] | None = None
         self._tokens: PromptTokens | bool | None = False
         self._precise: list[int] | None = None
+        self._precise_space: KeySpace | None = None
 
     def rendered(self) -> bytes | None:
         if self._rendered is False:
@@ -199,14 +202,18 @@ class PromptInfo:
             )
         return self._tokens if isinstance(self._tokens, PromptTokens) else None
 
-    def precise_hashes(self) -> list[int]:
-        if self._precise is None:
+    def precise_hashes(self, space: KeySpace | None = None) -> list[int]:
+        """The prompt's block keys in `space` (None: the hasher's default), computed once
+        per request and key space."""
+        space = space or self._hasher.space
+        if self._precise is None or self._precise_space is not space:
             tokens = self.tokens()
             salt = salt_of(self.request.body)
+            self._precise_space = space
             self._precise = (
                 []
                 if tokens is None
-                else self._hasher.block_hashes(tokens.ids, salt, tokens.message_ends)
+                else self._hasher.block_hashes(tokens.ids, salt, tokens.message_ends, space)
             )
         return self._precise
 
@@ -216,10 +223,6 @@ class PromptInfo:
             return len(self._tokens.ids)
         data = self.rendered()
         return 0 if data is None else int(len(data) / self._chars_per_token)
-
-    @property
-    def precise_block_size(self) -> int:
-        return self._hasher.block_size
 
     @property
     def approx_block_bytes(self) -> int:

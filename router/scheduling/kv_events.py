@@ -59,6 +59,13 @@ Endpoint per pod: `tcp://<pod ip>:<port>`, port 5557 unless the ModelServer's an
 (default 5558; "0" or "none" disables replay); topic `pdgate.io/kv-events-topic`
 (default "", every topic); `pdgate.io/kv-events: "false"` disables the subscription.
 Only prefill and aggregated pods are subscribed (decode pods are not scored by prefix).
+
+Keys: each ModelServer gets a `KeySpace` (`key_spaces`: the `preciseIndex` defaults and
+the annotations `pdgate.io/precise-index-keys`, `pdgate.io/prefix-caching-hash-algo`,
+`pdgate.io/python-hash-seed`, `pdgate.io/block-size`; see `router.kvhash.keyspace`), so a
+`BlockStored` is indexed under the engine's hashes or under router keys recomputed from
+its `token_ids`, `block_size`, `parent_block_hash`, `extra_keys` and `lora_name`. When a
+ModelServer's key space changes, its pods' streams restart from an empty index.
 """
 
 from __future__ import annotations
@@ -74,6 +81,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from router.kvhash.keyspace import KeySettings, KeySpace
 from router.scheduling.metrics import SchedulerMetrics
 from router.scheduling.precise_index import PrecisePrefixIndex
 from router.view import Endpoint, ServerPods, Snapshot
@@ -99,8 +107,16 @@ _HASH_MASK: Final = (1 << 64) - 1
 
 @dataclass(frozen=True, slots=True)
 class Stored:
+    """A decoded `BlockStored` (group 0). `token_ids` None: the event carried none usable;
+    `extra_keys` None: absent (vLLM before vllm#33304), else one entry per block."""
+
     block_hashes: tuple[int, ...]
     medium: str | None
+    parent_block_hash: int | None = None
+    token_ids: tuple[int, ...] | None = None
+    block_size: int | None = None
+    lora_name: str | None = None
+    extra_keys: tuple[Any, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +140,10 @@ class DecodeError(ValueError):
 _decoder = msgspec.msgpack.Decoder()
 
 # Positions of fields in array-encoded events (index 0 is the tag).
-_STORED_FIELDS: Final = {"block_hashes": 1, "medium": 6, "group_idx": 9}
+_STORED_FIELDS: Final = {
+    "block_hashes": 1, "parent_block_hash": 2, "token_ids": 3, "block_size": 4, "medium": 6,
+    "lora_name": 7, "extra_keys": 8, "group_idx": 9,
+}
 _REMOVED_FIELDS: Final = {"block_hashes": 1, "medium": 2, "group_idx": 3}
 
 
@@ -169,8 +188,31 @@ def _decode_event(raw: Any) -> KVEvent | None:
         raise DecodeError(f"{tag}.medium is not a string")
     block_hashes = tuple(_hash(h) for h in hashes)
     if tag == "BlockStored":
-        return Stored(block_hashes, medium)
+        return _stored(raw, block_hashes, medium)
     return Removed(block_hashes, medium)
+
+
+def _stored(raw: Any, block_hashes: tuple[int, ...], medium: str | None) -> Stored:
+    fields = _STORED_FIELDS
+    parent = _field(raw, "parent_block_hash", fields)
+    tokens = _field(raw, "token_ids", fields)
+    size = _field(raw, "block_size", fields)
+    lora = _field(raw, "lora_name", fields)
+    extra = _field(raw, "extra_keys", fields)
+    token_ids = (
+        tuple(tokens)
+        if isinstance(tokens, list) and all(type(t) is int for t in tokens)
+        else None
+    )
+    return Stored(
+        block_hashes,
+        medium,
+        parent_block_hash=None if parent is None else _hash(parent),
+        token_ids=token_ids,
+        block_size=size if type(size) is int else None,
+        lora_name=lora if isinstance(lora, str) else None,
+        extra_keys=tuple(extra) if isinstance(extra, list) else None,
+    )
 
 
 def decode_batch(payload: bytes) -> list[KVEvent]:
@@ -200,7 +242,12 @@ def apply_events(
 ) -> None:
     for event in events:
         if isinstance(event, Stored):
-            index.stored(key, scope, event.block_hashes, event.medium)
+            index.stored(
+                key, scope, event.block_hashes, event.medium,
+                parent=event.parent_block_hash, token_ids=event.token_ids,
+                block_size=event.block_size, extra_keys=event.extra_keys,
+                lora_name=event.lora_name,
+            )
         elif isinstance(event, Removed):
             index.removed(key, scope, event.block_hashes, event.medium)
         else:
@@ -219,6 +266,7 @@ class StreamTarget:
     replay_endpoint: str | None
     topic: str
     scope: str
+    space: int = 0  # the scope's KeySpace.ident: a change restarts the stream from scratch
 
 
 @dataclass(slots=True)
@@ -396,9 +444,21 @@ def _tcp(ip: str, port: int) -> str:
     return f"tcp://{host}:{port}"
 
 
+def key_spaces(snapshot: Snapshot, defaults: KeySettings) -> dict[str, KeySpace]:
+    """Each ModelServer's key space (scope -> KeySpace): the defaults overridden by its
+    annotations (`router.kvhash.keyspace`)."""
+    out: dict[str, KeySpace] = {}
+    for server in snapshot.servers.values():
+        scope = scope_of(server)
+        settings = defaults.with_annotations(server.server.meta.annotations, scope)
+        out[scope] = KeySpace(settings)
+    return out
+
+
 def stream_targets(
     snapshot: Snapshot, events_port: int = DEFAULT_EVENTS_PORT,
     replay_port: int | None = DEFAULT_REPLAY_PORT,
+    spaces: Mapping[str, KeySpace] | None = None,
 ) -> dict[str, StreamTarget]:
     """The KV event streams the router should read, by pod key (see the module docstring)."""
     out: dict[str, StreamTarget] = {}
@@ -412,6 +472,7 @@ def stream_targets(
         replay = _port(annotations, REPLAY_PORT_ANNOTATION, replay_port)
         topic = annotations.get(TOPIC_ANNOTATION, "")
         scope = scope_of(server)
+        space = spaces.get(scope) if spaces is not None else None
         for pod in _scored_pods(server):
             if pod.key in out:
                 continue
@@ -421,6 +482,7 @@ def stream_targets(
                 replay_endpoint=None if replay is None else _tcp(pod.ip, replay),
                 topic=topic,
                 scope=scope,
+                space=space.ident if space is not None else 0,
             )
     return out
 
@@ -449,8 +511,10 @@ class KVEventsManager:
         events_port: int = DEFAULT_EVENTS_PORT,
         replay_port: int | None = DEFAULT_REPLAY_PORT,
         enabled: bool = True,
+        key_defaults: KeySettings | None = None,
     ) -> None:
         self._index = index
+        self.key_defaults = key_defaults or KeySettings()
         self._metrics = metrics
         self.settings = settings or StreamSettings()
         self.events_port = events_port
@@ -467,6 +531,11 @@ class KVEventsManager:
         self._snapshot = snapshot
         self._refresh()
 
+    def set_key_defaults(self, defaults: KeySettings) -> None:
+        if defaults != self.key_defaults:
+            self.key_defaults = defaults
+            self._refresh()
+
     def set_enabled(self, enabled: bool) -> None:
         if enabled != self.enabled:
             self.enabled = enabled
@@ -475,7 +544,9 @@ class KVEventsManager:
     def _refresh(self) -> None:
         if self._snapshot is None:
             return
-        targets = stream_targets(self._snapshot, self.events_port, self.replay_port)
+        spaces = key_spaces(self._snapshot, self.key_defaults)
+        self._index.set_spaces(spaces)
+        targets = stream_targets(self._snapshot, self.events_port, self.replay_port, spaces)
         self._wanted = targets if self.enabled else {}
         self._index.retain_scopes({t.scope for t in targets.values()})
         if self._changed is not None:
@@ -550,6 +621,7 @@ __all__ = [
     "StreamTarget",
     "apply_events",
     "decode_batch",
+    "key_spaces",
     "scope_of",
     "stream_targets",
 ]

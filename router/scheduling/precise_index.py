@@ -14,18 +14,31 @@ Store media (`store_media`, default `MOONCAKE`): a block written to a shared KV 
 so such blocks go to one pool per scope instead of to the pod. A scorer credits a pool
 block at a cost factor below a local hit (`precise_prefix_cache.PrecisePrefixCacheScorer`).
 
+Keys (`router.kvhash.keyspace`): per scope (ModelServer) a `KeySpace` says whether blocks
+are keyed by the engine's own hashes (`hashes`) or by router keys recomputed from the
+token ids each `BlockStored` carries (`tokens`, robust to vLLM's random per-process root).
+A scope without a key space (`set_spaces` never named it) is keyed by engine hashes. In
+`tokens` mode a pod's table still maps the engine's hash (what `BlockRemoved` and
+`parent_block_hash` speak) to its entry, and the entry packs the router key above the
+medium bits, so no second table is kept per pod; a store pool keeps its engine-hash ->
+router-key aliases in one more table under the same bound. Blocks that cannot be keyed
+(unknown parent, no token ids, another block size) are left out and counted in
+`unkeyed_blocks`.
+
 Bounds: one pod holds at most `max_blocks_per_pod` entries and one pool at most
-`max_store_blocks`; beyond that the oldest-stored entries go first (an engine that
-publishes correctly never gets there: the bound guards against a lost `BlockRemoved`).
+`max_store_blocks` (aliases included); beyond that the oldest-stored entries go first (an
+engine that publishes correctly never gets there: the bound guards against a lost
+`BlockRemoved`).
 """
 
 from __future__ import annotations
 
 import sys
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
-from typing import Final
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Final
 
+from router.kvhash.keyspace import TOKENS_ROOT, KeySpace
 from router.scheduling.block_index import PodSlots, leading_depths_with_shared
 
 #: Default bound of one pod's entries (blocks): well above a large GPU's block count.
@@ -39,6 +52,9 @@ MAX_MEDIA_BITS: Final = 16
 #: Distinct medium names remembered at all (an engine naming more gets the shared bit).
 MAX_MEDIA_NAMES: Final = 64
 GPU_MEDIUM: Final = "GPU"
+#: `tokens` mode: a pod entry is (router key << MEDIA_SHIFT) | medium bits.
+MEDIA_SHIFT: Final = MAX_MEDIA_BITS
+_MEDIA_MASK: Final = (1 << MEDIA_SHIFT) - 1
 _BYTES_PER_GLOBAL_KEY: Final = 40
 
 
@@ -57,9 +73,13 @@ class PrecisePrefixIndex:
         self._slots = PodSlots()
         self._masks: dict[int, int] = {}
         self._pods: dict[str, OrderedDict[int, int]] = {}
+        self._translated: set[str] = set()  # pods whose entries pack router keys
         self._stores: dict[str, OrderedDict[int, None]] = {}
+        self._aliases: dict[str, OrderedDict[int, int]] = {}  # tokens-mode pools
+        self._spaces: dict[str, KeySpace] = {}
         self._media: dict[str | None, int] = {None: 1, GPU_MEDIUM: 1}
         self.overflow_evictions = 0
+        self.unkeyed_blocks = 0
 
     def _medium_bit(self, medium: str | None) -> int:
         bit = self._media.get(medium)
@@ -72,71 +92,163 @@ class PrecisePrefixIndex:
     def is_store_medium(self, medium: str | None) -> bool:
         return medium is not None and medium.upper() in self.store_media
 
+    # -- key spaces -----------------------------------------------------------------------
+
+    def set_spaces(self, spaces: Mapping[str, KeySpace]) -> None:
+        """Each scope's key space; a scope whose space changed loses its store pool (its
+        pods are cleared by their event streams, which restart on such a change)."""
+        for scope in list(self._stores):
+            old = self._spaces.get(scope)
+            new = spaces.get(scope)
+            if (old.ident if old else None) != (new.ident if new else None):
+                self._stores.pop(scope, None)
+                self._aliases.pop(scope, None)
+        self._spaces = dict(spaces)
+
+    def space(self, scope: str) -> KeySpace | None:
+        return self._spaces.get(scope)
+
+    def _router_key(self, key: str, scope: str, engine_hash: int) -> int | None:
+        blocks = self._pods.get(key)
+        entry = None if blocks is None else blocks.get(engine_hash)
+        if entry is not None and key in self._translated:
+            return entry >> MEDIA_SHIFT
+        aliases = self._aliases.get(scope)
+        return None if aliases is None else aliases.get(engine_hash)
+
+    def _keys(
+        self,
+        key: str,
+        scope: str,
+        hashes: Sequence[int],
+        parent: int | None,
+        token_ids: Sequence[int] | None,
+        block_size: int | None,
+        extra_keys: Sequence[Any] | None,
+        lora_name: str | None,
+    ) -> tuple[Sequence[int] | None, bool]:
+        """(index keys of a stored run, whether they are router keys), keys None if none."""
+        space = self._spaces.get(scope)
+        if space is not None and block_size is not None and block_size != space.block_size:
+            return None, False
+        if space is None or space.mode == "hashes":
+            return hashes, False
+        if token_ids is None:
+            return None, True
+        parent_key = TOKENS_ROOT if parent is None else self._router_key(key, scope, parent)
+        if parent_key is None:
+            return None, True
+        return space.event_keys(parent_key, token_ids, len(hashes), extra_keys, lora_name), True
+
     # -- events ---------------------------------------------------------------------------
 
-    def stored(self, key: str, scope: str, hashes: Sequence[int], medium: str | None) -> None:
-        if self.is_store_medium(medium):
-            pool = self._stores.get(scope)
-            if pool is None:
-                pool = self._stores[scope] = OrderedDict()
-            for block_hash in hashes:
-                pool[block_hash] = None
-            while len(pool) > self.max_store_blocks:
-                pool.popitem(last=False)
-                self.overflow_evictions += 1
+    def stored(
+        self,
+        key: str,
+        scope: str,
+        hashes: Sequence[int],
+        medium: str | None,
+        *,
+        parent: int | None = None,
+        token_ids: Sequence[int] | None = None,
+        block_size: int | None = None,
+        extra_keys: Sequence[Any] | None = None,
+        lora_name: str | None = None,
+    ) -> None:
+        """A `BlockStored` from pod `key` of scope `scope` (see the module docstring)."""
+        keys, translated = self._keys(
+            key, scope, hashes, parent, token_ids, block_size, extra_keys, lora_name
+        )
+        if keys is None:
+            self.unkeyed_blocks += len(hashes)
             return
+        if self.is_store_medium(medium):
+            self._store_pool(scope, hashes, keys, translated)
+            return
+        if (key in self._translated) != translated:
+            self.cleared(key)  # the scope changed key space: start over
         blocks = self._pods.get(key)
         if blocks is None:
             blocks = self._pods[key] = OrderedDict()
+            if translated:
+                self._translated.add(key)
+            else:
+                self._translated.discard(key)
         bit = self._medium_bit(medium)
         pod_bit = 1 << self._slots.acquire(key)
         masks = self._masks
-        for block_hash in hashes:
-            held = blocks.get(block_hash)
+        for engine_hash, block_key in zip(hashes, keys, strict=True):
+            held = blocks.get(engine_hash)
             if held is None:
-                blocks[block_hash] = bit
-                masks[block_hash] = masks.get(block_hash, 0) | pod_bit
+                blocks[engine_hash] = (block_key << MEDIA_SHIFT) | bit if translated else bit
+                masks[block_key] = masks.get(block_key, 0) | pod_bit
             else:
-                blocks[block_hash] = held | bit
+                blocks[engine_hash] = held | bit
         if len(blocks) > self.max_blocks_per_pod:
             clear = ~pod_bit
             while len(blocks) > self.max_blocks_per_pod:
-                block_hash, _ = blocks.popitem(last=False)
-                self._unmask(block_hash, clear)
+                engine_hash, held = blocks.popitem(last=False)
+                self._unmask(held >> MEDIA_SHIFT if translated else engine_hash, clear)
                 self.overflow_evictions += 1
+
+    def _store_pool(
+        self, scope: str, hashes: Sequence[int], keys: Sequence[int], translated: bool
+    ) -> None:
+        pool = self._stores.get(scope)
+        if pool is None:
+            pool = self._stores[scope] = OrderedDict()
+        for block_key in keys:
+            pool[block_key] = None
+        if translated:
+            aliases = self._aliases.get(scope)
+            if aliases is None:
+                aliases = self._aliases[scope] = OrderedDict()
+            for engine_hash, block_key in zip(hashes, keys, strict=True):
+                aliases[engine_hash] = block_key
+            while len(aliases) > self.max_store_blocks:
+                aliases.popitem(last=False)
+        while len(pool) > self.max_store_blocks:
+            pool.popitem(last=False)
+            self.overflow_evictions += 1
 
     def removed(self, key: str, scope: str, hashes: Sequence[int], medium: str | None) -> None:
         if self.is_store_medium(medium):
             pool = self._stores.get(scope)
             if pool is not None:
-                for block_hash in hashes:
-                    pool.pop(block_hash, None)
+                aliases = self._aliases.get(scope)
+                for engine_hash in hashes:
+                    block_key = engine_hash if aliases is None else aliases.pop(engine_hash, None)
+                    if block_key is not None:
+                        pool.pop(block_key, None)
             return
         blocks = self._pods.get(key)
         slot = self._slots.get(key)
         if blocks is None or slot is None:
             return
+        translated = key in self._translated
         bit = self._medium_bit(medium)
         clear = ~(1 << slot)
-        for block_hash in hashes:
-            held = blocks.get(block_hash)
+        for engine_hash in hashes:
+            held = blocks.get(engine_hash)
             if held is None:
                 continue
-            held &= ~bit
-            if held:
-                blocks[block_hash] = held
+            left = held & ~bit
+            if left & _MEDIA_MASK:
+                blocks[engine_hash] = left
             else:
-                del blocks[block_hash]
-                self._unmask(block_hash, clear)
+                del blocks[engine_hash]
+                self._unmask(held >> MEDIA_SHIFT if translated else engine_hash, clear)
 
     def cleared(self, key: str) -> None:
         """`AllBlocksCleared` from pod `key` (its own cache; store pools are untouched)."""
         blocks = self._pods.pop(key, None)
+        translated = key in self._translated
+        self._translated.discard(key)
         slot = self._slots.get(key)
         if blocks is not None and slot is not None:
             clear = ~(1 << slot)
-            for block_hash in blocks:
-                self._unmask(block_hash, clear)
+            for engine_hash, held in blocks.items():
+                self._unmask(held >> MEDIA_SHIFT if translated else engine_hash, clear)
 
     def _unmask(self, block_hash: int, clear: int) -> None:
         left = self._masks.get(block_hash, 0) & clear
@@ -153,6 +265,7 @@ class PrecisePrefixIndex:
         present = set(scopes)
         for scope in [s for s in self._stores if s not in present]:
             del self._stores[scope]
+            self._aliases.pop(scope, None)
 
     # -- lookups --------------------------------------------------------------------------
 
@@ -193,7 +306,17 @@ class PrecisePrefixIndex:
         return blocks is not None and block_hash in blocks
 
     def blocks_of(self, key: str) -> set[int]:
+        """The engine hashes pod `key` holds."""
         return set(self._pods.get(key, ()))
+
+    def keys_of(self, key: str) -> set[int]:
+        """The index keys of the blocks pod `key` holds (router keys in `tokens` mode)."""
+        blocks = self._pods.get(key)
+        if blocks is None:
+            return set()
+        if key in self._translated:
+            return {held >> MEDIA_SHIFT for held in blocks.values()}
+        return set(blocks)
 
     def store_blocks(self, scope: str) -> set[int]:
         return set(self._stores.get(scope, ()))
@@ -210,4 +333,6 @@ class PrecisePrefixIndex:
             size += sys.getsizeof(table)
         for pool in self._stores.values():
             size += sys.getsizeof(pool)
+        for aliases in self._aliases.values():
+            size += sys.getsizeof(aliases)
         return size

@@ -37,10 +37,11 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from router.kvhash.keyspace import KeySpace
 from router.load import InFlight
 from router.scheduling.approx_index import ApproximatePrefixIndex
 from router.scheduling.block_hash import PreciseHasher, TokenSource
-from router.scheduling.config import SchedulerConfig, load_scheduler_config
+from router.scheduling.config import SchedulerConfig, key_settings, load_scheduler_config
 from router.scheduling.context import LoadEstimator, SchedulerDeps, SessionTable
 from router.scheduling.filters import never_ejected
 from router.scheduling.kv_events import KVEventsManager, StreamSettings
@@ -76,10 +77,8 @@ def _stream_settings(config: SchedulerConfig) -> StreamSettings:
 def _hasher(
     config: SchedulerConfig, tokenize: TokenSource | None, tokenizers: TokenizerRegistry
 ) -> PreciseHasher:
-    p = config.precise_index
-    return PreciseHasher(
-        block_size=p.block_size, hash_seed=p.hash_seed, tokenize=tokenize, tokenizers=tokenizers
-    )
+    space = KeySpace(key_settings(config.precise_index))
+    return PreciseHasher(space, tokenize=tokenize, tokenizers=tokenizers)
 
 
 class SchedulerRuntime:
@@ -132,7 +131,7 @@ class SchedulerRuntime:
         self.kv_events = KVEventsManager(
             self.precise, self.metrics, _stream_settings(config),
             events_port=precise_cfg.events_port, replay_port=precise_cfg.replay_port,
-            enabled=config.precise_enabled,
+            enabled=config.precise_enabled, key_defaults=key_settings(precise_cfg),
         )
         self.watcher = (
             None
@@ -179,9 +178,10 @@ class SchedulerRuntime:
         self.precise.max_blocks_per_pod = p.max_blocks_per_pod
         self.precise.max_store_blocks = p.max_store_blocks
         self.precise.store_media = frozenset(m.upper() for m in p.store_media)
-        was = old.precise_index
-        if (p.block_size, p.hash_seed) != (was.block_size, was.hash_seed):
+        keying = key_settings(p)
+        if keying != key_settings(old.precise_index):
             self.deps.hasher = _hasher(config, self._tokenize, self.tokenizers)
+            self.kv_events.set_key_defaults(keying)
         self.deps.sessions.max_sessions = config.sessions.max_sessions
         self.scraper.reconfigure(_scrape_settings(config))
         self.kv_events.settings = _stream_settings(config)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import yaml
 
+from engine_sim.block_hash import DEFAULT_HASH_SEED
 from engine_sim.ports import common_free_port as free_port
 from engine_sim.ports import wait_http
 
@@ -177,6 +178,7 @@ class SimCluster:
                 "--model", model, "--pod-name", spec.name,
                 "--mooncake-master", self.master.rpc_address,  # type: ignore[attr-defined]
                 "--metadata-server", self.master.metadata_url,  # type: ignore[attr-defined]
+                "--python-hash-seed", DEFAULT_HASH_SEED,  # one root: the pods share a store
                 *spec.flags, *extra,
             ],
             self.workdir / f"pod-{spec.name}.log",

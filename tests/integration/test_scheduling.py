@@ -26,6 +26,7 @@ import pytest
 from benchmarks.sched_policies import (
     DECODE_FLAGS,
     MODEL,
+    PodPlan,
     PolicyCluster,
     SharedPrefix,
     hot_prefix,
@@ -135,6 +136,54 @@ async def test_precise_index_matches_the_engines_caches_after_evictions(
     server = next(iter(cluster.state.view.snapshot.servers.values()))
     assert len(runtime.precise.store_blocks(scope_of(server))) >= 8 * 64
     assert run.hit_rate >= 0.85 * run.best_hit_rate
+
+
+async def test_precise_hits_equal_the_engines_own_prefix_cache_hits(
+    cluster: PolicyCluster,
+) -> None:
+    """Before each request, the router's precise index predicts every prefill pod's prefix
+    hit; the pod it picks then reports exactly that hit for the request. The pods run with
+    a PYTHONHASHSEED the router is not told, so the index keys blocks by their token ids
+    (`router.kvhash.keyspace`), as it must in front of vLLM's default random roots."""
+    await cluster.use("precise-prefix-cache")
+    runtime = cluster.runtime
+    assert cluster.state is not None and cluster.http is not None
+    server = next(iter(cluster.state.view.snapshot.servers.values()))
+    scope = scope_of(server)
+    space = runtime.precise.space(scope)
+    assert space is not None and space.mode == "tokens"
+    pods = {pod.key: pod for pod in cluster.prefill_pods}
+    # Repeats of earlier runs' prompts under a fresh salt, then of this run's: misses and
+    # deep hits, on pods whose caches are full and evicting.
+    prompts = shared_prefix(WORKLOAD)[:10]
+    checked = hits = 0
+    for prompt in prompts + prompts[::2]:
+        for pod in pods.values():  # let the index catch up with every engine first
+            cache = await cluster.sim_json(pod, "/sim/cache")
+            stream = runtime.kv_events.stream(pod.key)
+            assert stream is not None
+            await eventually(functools.partial(_caught_up, stream, cache["kv_events"]["last_seq"]))
+        body = prompt.body(MODEL, 2, "e-parity")
+        tokens = runtime.deps.hasher.tokens("/v1/chat/completions", body)
+        assert tokens is not None
+        keys = runtime.deps.hasher.block_hashes(tokens.ids, "e-parity", tokens.message_ends, space)
+        local, _ = runtime.precise.match(list(pods), scope, keys)
+        usable = (len(tokens.ids) - 1) // space.block_size
+        predicted = {pods[k].name: min(d, usable) * space.block_size
+                     for k, d in zip(pods, local, strict=True)}
+        result = await stream_chat(cluster.http, cluster.url, body)
+        assert result.status == 200 and result.completed and result.prefill is not None
+        record = (await cluster.sim_json(pods_by_name(pods)[result.prefill]))["recent"][-1]
+        assert record["prompt_tokens"] == len(tokens.ids)  # token parity with the engine
+        assert record["cached_tokens"] == predicted[result.prefill], (predicted, record)
+        checked += 1
+        hits += record["cached_tokens"] > 0
+    assert checked == 15 and hits >= 5  # the repeats hit, and were predicted exactly
+    assert runtime.precise.unkeyed_blocks == 0
+
+
+def pods_by_name(pods: dict[str, PodPlan]) -> dict[str, PodPlan]:
+    return {pod.name: pod for pod in pods.values()}
 
 
 async def test_inflight_returns_to_zero_after_disconnects_and_upstream_errors(

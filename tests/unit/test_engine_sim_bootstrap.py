@@ -130,6 +130,7 @@ def sim_config(role: Role, **overrides: Any) -> SimConfig:
     fields: dict[str, Any] = {
         "role": role, "model": MODEL, "port": 0, "engine_id": f"eng-{role}",
         "latency": LatencyModel.fast(), "kv_wait_timeout_s": 5.0,
+        "python_hash_seed": "0",  # prefill and decode share one root, as they must
     }  # fmt: skip
     fields.update(overrides)
     return SimConfig(**fields)

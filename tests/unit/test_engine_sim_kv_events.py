@@ -172,14 +172,17 @@ async def test_frames_are_vllms_topic_seq_and_array_batch(rig: Rig) -> None:
     assert abs(raw[0] - time.time()) < 5
     # msgspec writes every field of an array_like struct (omit_defaults applies to maps).
     assert raw[1] == [
-        ["BlockStored", hashes, None, list(prompt[:32]), 16, None, "GPU", None, None, None]
+        ["BlockStored", hashes, None, list(prompt[:32]), 16, None, "GPU", None, [None, None],
+         0, "full_attention", None]
     ]
     batch = _vllm_decoder.decode(payload)
     event = batch.events[0]
     assert isinstance(event, VBlockStored)
     assert event.block_hashes == hashes and event.medium == "GPU"
     assert all(0 <= h < 1 << 64 for h in event.block_hashes)
-    assert decode_batch(payload) == [Stored(tuple(hashes), "GPU")]
+    assert decode_batch(payload) == [
+        Stored(tuple(hashes), "GPU", None, tuple(prompt[:32]), 16, None, (None, None))
+    ]
 
 
 async def test_one_batch_per_loop_tick_and_sequence_counts_up(rig: Rig) -> None:
@@ -197,9 +200,11 @@ async def test_one_batch_per_loop_tick_and_sequence_counts_up(rig: Rig) -> None:
     assert (int.from_bytes(seq0, "big"), int.from_bytes(seq1, "big")) == (0, 1)
     events = decode_batch(payload0)
     # Same tick: stored, then the evictions (one event), then the new blocks.
-    assert events[0] == Stored(tuple(first), "GPU")
+    assert events[0] == Stored(tuple(first), "GPU", None, tuple(tokens(8)), 4, None, (None,) * 2)
     assert events[1] == Removed((first[1], first[0]), "GPU")  # tail first, like the LRU
-    assert events[2] == Stored(tuple(second), "GPU")
+    assert events[2] == Stored(
+        tuple(second), "GPU", None, tuple(tokens(8, 100)), 4, None, (None,) * 2
+    )
     assert decode_batch(payload1) == [Cleared()]
     assert rig.publisher.last_seq == 1
 
@@ -227,7 +232,9 @@ async def test_replay_answers_from_a_bounded_ring() -> None:
             await rig.recv()
         got = await rig.replay(0)
         assert [seq for seq, _ in got] == [2, 3, 4]  # the ring kept the last three
-        assert decode_batch(got[0][1]) == [Stored((1002,), "MOONCAKE")]
+        assert decode_batch(got[0][1]) == [
+            Stored((1002,), "MOONCAKE", None, tuple(tokens(16)), 16, None, (None,))
+        ]
         assert [seq for seq, _ in await rig.replay(4)] == [4]
         assert await rig.replay(9) == []
         assert rig.publisher.stats.replays == 3
@@ -375,7 +382,8 @@ async def test_sim_pod_publishes_serves_cache_and_cache_config_info(
 def _engine(publisher: KVEventPublisher | None, store: MemoryKVStore, **changes: Any) -> Engine:
     # The stand-in tokenizer: one token per word and per space, so block counts are exact.
     config = SimConfig(role="prefill", model="m", port=0, host=HOST,
-                       latency=LatencyModel.fast(), tokenizer=STAND_IN, **changes)
+                       latency=LatencyModel.fast(), tokenizer=STAND_IN, python_hash_seed="0",
+                       **changes)
     engine = Engine(config, store, publisher.on_cache_event if publisher else None)
     engine.kv_events = publisher
     return engine
@@ -403,7 +411,10 @@ async def test_engine_publishes_store_writes_with_the_mooncake_medium(rig: Rig) 
     pooled = [e for e in events if isinstance(e, Stored) and e.medium == "MOONCAKE"]
     ids = engine.tokenizer.request_ids("completion", {"prompt": prompt})[0]
     hashes = tuple(engine.block_hashes.hashes(ids))
-    assert gpu == [Stored(hashes, "GPU")] and pooled == [Stored(hashes, "MOONCAKE")]
+    ids = tuple(ids)[: 16 * len(hashes)]
+    nones = (None,) * len(hashes)
+    assert gpu == [Stored(hashes, "GPU", None, ids, 16, None, nones)]
+    assert pooled == [Stored(hashes, "MOONCAKE", None, ids, 16, None, nones)]
     # The same prompt again: its blocks are in the store already, nothing new is published.
     await _prefill(engine, prompt)
     await tick()

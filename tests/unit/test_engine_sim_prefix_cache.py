@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-from engine_sim.block_hash import (
-    HASH_MASK_64,
-    BlockHashMemo,
-    hash_block_tokens,
-    hash_prompt_blocks,
-    root_hash,
-)
+from engine_sim.block_hash import HASH_MASK_64, BlockHashMemo, hash_prompt_blocks
 from engine_sim.cache_events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent
 from engine_sim.prefix_cache import PrefixCache
+from router.kvhash.vllm import event_hash, hash_block_tokens, none_hash, sha256_pickle
 
 BS = 4
 
@@ -21,8 +16,9 @@ def test_block_hashes_chain_and_share_prefixes() -> None:
     assert len(a) == 2  # the partial tail (2 tokens) is not a block
     assert len(b) == 3
     assert a[:2] == b[:2]
-    assert a[0] == hash_block_tokens(root_hash(), [0, 1, 2, 3])
-    assert a[1] == hash_block_tokens(a[0], [4, 5, 6, 7])
+    first = hash_block_tokens(sha256_pickle, none_hash("sha256", "0"), [0, 1, 2, 3])
+    assert a[0] == event_hash(first)
+    assert a[1] == event_hash(hash_block_tokens(sha256_pickle, first, [4, 5, 6, 7]))
     assert all(0 <= h <= HASH_MASK_64 for h in a + b)
 
 
@@ -33,8 +29,7 @@ def test_block_hash_depends_on_parent_salt_and_seed() -> None:
     seeded = hash_prompt_blocks(tokens, BS, seed="other")
     assert plain[0] != salted[0] and plain[1] != salted[1]  # the salt changes the whole chain
     assert plain[0] != seeded[0]
-    assert hash_block_tokens(1, [1, 2]) != hash_block_tokens(2, [1, 2])
-    assert hash_block_tokens(1, [1, 2], ("x",)) != hash_block_tokens(1, [1, 2])
+    assert hash_prompt_blocks(tokens, BS, algo="xxhash")[0] != plain[0]
 
 
 def test_match_acquire_release_and_hits() -> None:
@@ -56,7 +51,7 @@ def test_match_acquire_release_and_hits() -> None:
     events.clear()
     lease2 = cache.acquire(other, [*range(8), 50, 51, 52, 53])
     assert lease2.block_ids[:2] == lease.block_ids[:2]
-    assert events == [BlockStored((other[2],), other[1], (50, 51, 52, 53), BS)]
+    assert events == [BlockStored((other[2],), other[1], (50, 51, 52, 53), BS, first_block=2)]
 
 
 def test_lru_eviction_tail_first_and_held_blocks_stay() -> None:
@@ -94,16 +89,25 @@ def test_private_blocks_take_capacity_and_clear() -> None:
     assert cache.num_cached == 0 and isinstance(events[-1], AllBlocksCleared)
 
 
-def test_fast_prompt_hashing_equals_chained_reference() -> None:
+def test_prompt_hashing_equals_chained_reference() -> None:
     tokens = [7 * i % 32_000 for i in range(16 * 5 + 3)]
     for salt in (None, "tenant-a"):
-        parent = root_hash("s")
+        parent = none_hash("sha256", "s")
         expected = []
         for index in range(5):
             extra = (salt,) if index == 0 and salt is not None else None
-            parent = hash_block_tokens(parent, tokens[16 * index : 16 * (index + 1)], extra)
-            expected.append(parent)
+            block = tokens[16 * index : 16 * (index + 1)]
+            parent = hash_block_tokens(sha256_pickle, parent, block, extra)
+            expected.append(event_hash(parent))
         assert hash_prompt_blocks(tokens, 16, cache_salt=salt, seed="s") == expected
+
+
+def test_an_unset_seed_gives_each_engine_its_own_root() -> None:
+    tokens = tuple(range(8))
+    one, two = BlockHashMemo(BS, seed=None), BlockHashMemo(BS, seed=None)
+    assert one.hashes(tokens) == one.hashes(tokens)  # stable within one engine
+    assert one.hashes(tokens)[0] != two.hashes(tokens)[0]  # not across engines, as in vLLM
+    assert BlockHashMemo(BS, seed="0").hashes(tokens) == tuple(hash_prompt_blocks(tokens, BS))
 
 
 def test_block_hash_memo_matches_and_stays_bounded() -> None:

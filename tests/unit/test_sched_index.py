@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from engine_sim.block_hash import hash_prompt_blocks
 from engine_sim.prefix_cache import PrefixCache
+from router.kvhash.keyspace import KeySpace
 from router.scheduling.approx_index import MIN_BLOCKS_PER_POD, ApproximatePrefixIndex
 from router.scheduling.block_hash import (
     PreciseHasher,
@@ -21,6 +22,8 @@ from router.scheduling.precise_index import PrecisePrefixIndex
 from router.tokenization import TokenizerRegistry
 from tests.sim_tokens import chat_ids, prompt_ids, sim_registry, sim_server
 
+#: vLLM's own hashes of engines started with PYTHONHASHSEED=0 (the simulator's in tests).
+VLLM_SEED_0 = KeySpace.of("hashes", python_hash_seed="0")
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 
@@ -105,7 +108,7 @@ def hasher_for(registry: TokenizerRegistry | None = None, **kwargs: Any) -> Prec
 @given(st.lists(_message, min_size=1, max_size=6), st.sampled_from([None, "salt"]))
 def test_precise_hashes_equal_the_engines(messages: list[dict[str, str]],
                                           salt: str | None) -> None:
-    hasher = hasher_for(block_size=4)  # small blocks: more of them to compare
+    hasher = hasher_for(space=VLLM_SEED_0.of_size(4))  # small blocks: more to compare
     body: dict[str, Any] = {"model": "m", "messages": messages}
     if salt:
         body["cache_salt"] = salt
@@ -120,7 +123,7 @@ def test_precise_hashes_equal_the_engines(messages: list[dict[str, str]],
 
 
 def test_precise_memo_reuses_a_shared_prefix_exactly() -> None:
-    hasher = hasher_for()
+    hasher = hasher_for(space=VLLM_SEED_0)
     system = "You are a careful assistant. " * 40
     for question in ("What is the capital of France?", "And of Italy?", "Why?"):
         body = chat(system, question)
@@ -132,7 +135,7 @@ def test_precise_memo_reuses_a_shared_prefix_exactly() -> None:
 
 
 def test_precise_hasher_completions_and_injected_tokenizer() -> None:
-    hasher = hasher_for()
+    hasher = hasher_for(space=VLLM_SEED_0)
     tokens = hasher.tokens(COMPLETIONS, {"prompt": "hello world " * 20}, SERVER)
     assert tokens is not None and list(tokens.ids) == prompt_ids("hello world " * 20)
     batch = hasher.tokens(COMPLETIONS, {"prompt": ["first prompt", "second"]}, SERVER)
@@ -151,7 +154,7 @@ def test_precise_hasher_completions_and_injected_tokenizer() -> None:
 
 
 def test_precise_memo_is_bounded() -> None:
-    hasher = PreciseHasher(memo_entries=5, memo_hashes=10_000)
+    hasher = PreciseHasher(VLLM_SEED_0, memo_entries=5, memo_hashes=10_000)
     rng = random.Random(1)
     for _ in range(50):
         ids = [rng.randrange(30_000) for _ in range(200)]

@@ -234,15 +234,24 @@ class Rig:
 
 def test_decode_array_encoded_batches() -> None:
     events = decode_batch(payload(stored(1, 2), removed(1), AllBlocksCleared()))
-    assert events == [Stored((1, 2), "GPU"), Removed((1,), "GPU"), Cleared()]
+    assert events == [
+        Stored((1, 2), "GPU", None, (1,) * 32, 16), Removed((1,), "GPU"), Cleared()
+    ]
     # Hashes as bytes (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0): big-endian, low 64 bits.
     raw = (2**64 + 5).to_bytes(9, "big")
-    assert decode_batch(payload(BlockStored([raw], None, [], 16, None, None))) == [
-        Stored((5,), None)
+    parent = (2**64 + 4).to_bytes(9, "big")
+    assert decode_batch(payload(BlockStored([raw], parent, [], 16, None, None))) == [
+        Stored((5,), None, 4, (), 16)
     ]
-    # Batches without a data-parallel rank, and events with every trailing field.
-    full = BlockStored([7], 6, [1] * 16, 16, None, "CPU", "lora", [None], 0)
-    assert decode_batch(_encoder.encode(ArrayBatch(1.0, [full]))) == [Stored((7,), "CPU")]
+    # Batches without a data-parallel rank, and events with every trailing field: the
+    # token ids, block size, parent, LoRA name and per-block extra keys the index re-hashes.
+    full = BlockStored([7, 8], 6, [1] * 32, 16, None, "CPU", "lora", [["lora", "salt"], None], 0)
+    assert decode_batch(_encoder.encode(ArrayBatch(1.0, [full]))) == [
+        Stored((7, 8), "CPU", 6, (1,) * 32, 16, "lora", (["lora", "salt"], None))
+    ]
+    # Token ids that are not ints are not re-hashed (the event still counts by its hashes).
+    odd = BlockStored([7], None, ["x"] * 16, 16, None, "GPU")
+    assert decode_batch(payload(odd)) == [Stored((7,), "GPU", None, None, 16)]
 
 
 def test_decode_map_encoded_events_and_ignore_other_groups() -> None:
@@ -252,7 +261,9 @@ def test_decode_map_encoded_events_and_ignore_other_groups() -> None:
         MapBlockRemoved([2], "GPU"),
         MapAllBlocksCleared(),
     ], 0))
-    assert decode_batch(data) == [Stored((1, 2), "GPU"), Removed((2,), "GPU"), Cleared()]
+    assert decode_batch(data) == [
+        Stored((1, 2), "GPU", None, (1,) * 32, 16), Removed((2,), "GPU"), Cleared()
+    ]
     as_map = msgspec.msgpack.encode({"ts": 1.0, "events": [{"type": "BlockRemoved",
                                                             "block_hashes": [9]}]})
     assert decode_batch(as_map) == [Removed((9,), None)]

@@ -2,8 +2,9 @@
 
     s_p = (L_p + f x (R_p - L_p)) / B
 
-- B   = the prompt's engine blocks (`block_hash.PreciseHasher`: the engine's tokens and
-        block hashes, 16 tokens a block);
+- B   = the prompt's engine blocks (`block_hash.PreciseHasher`: the engine's tokens, keyed
+        in the ModelServer's key space: vLLM's block hashes or token keys, see
+        `router.kvhash.keyspace`);
 - L_p = leading blocks pod p holds itself (GPU, or a local offload medium such as CPU),
         from its KV events (`PrecisePrefixIndex`);
 - R_p = leading blocks pod p holds itself OR finds in the shared store pool of the
@@ -32,7 +33,8 @@ class PrecisePrefixCacheScorer(Scorer):
     PARAMS: ClassVar = {"storeHitFactor": Param(float, 0.7, 0.0, 1.0)}
 
     def score(self, ctx: PickContext, cands: Candidates) -> list[float]:
-        hashes = ctx.prompt.precise_hashes()
+        scope = scope_of(ctx.server)
+        hashes = ctx.prompt.precise_hashes(self.deps.precise.space(scope))
         total = len(hashes)
         factor: float = self.params["storeHitFactor"]
         ctx.precise_hashes = total
@@ -41,7 +43,7 @@ class PrecisePrefixCacheScorer(Scorer):
             zeros = [0] * len(cands)
             ctx.precise_local, ctx.precise_reach = zeros, zeros
             return [0.0] * len(cands)
-        local, reach = self.deps.precise.match(cands.keys, scope_of(ctx.server), hashes)
+        local, reach = self.deps.precise.match(cands.keys, scope, hashes)
         ctx.precise_local, ctx.precise_reach = local, reach
         return [
             (held + factor * (both - held)) / total for held, both in zip(local, reach, strict=True)

@@ -1,0 +1,175 @@
+"""Block keying per ModelServer: event path and request path give the same keys.
+
+Engines here are the simulator's prefix cache hashing with vLLM's algorithm; their
+`BlockStored` events go through the real encoder (`engine_sim.kv_events_pub`) and the
+router's decoder, so the index sees what it would see on the wire.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any
+
+import msgspec
+
+from engine_sim.block_hash import BlockHashMemo
+from engine_sim.cache_events import AllBlocksCleared as CacheCleared
+from engine_sim.cache_events import BlockRemoved as CacheRemoved
+from engine_sim.cache_events import BlockStored as CacheStored
+from engine_sim.kv_events_pub import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    KVEventBatch,
+    block_stored_event,
+)
+from engine_sim.prefix_cache import PrefixCache
+from router.kvhash.keyspace import KeySettings, KeySpace
+from router.kvhash.vllm import VllmBlockHasher, VllmHashConfig
+from router.scheduling.block_hash import PreciseHasher
+from router.scheduling.kv_events import apply_events, decode_batch
+from router.scheduling.precise_index import PrecisePrefixIndex
+
+SCOPE = "ns/srv"
+BS = 16
+_encode = msgspec.msgpack.Encoder().encode
+
+
+class Engine:
+    """One simulated vLLM engine: its own root (seed None: random, as vLLM unset)."""
+
+    def __init__(self, key: str, index: PrecisePrefixIndex, seed: str | None = None,
+                 capacity: int = 4096) -> None:
+        self.key = key
+        self.index = index
+        self.memo = BlockHashMemo(BS, seed)
+        self.events: list[Any] = []
+        self.cache = PrefixCache(capacity, BS, on_event=self.events.append)
+
+    def serve(self, tokens: list[int], salt: str | None = None) -> int:
+        """Run a prompt; its prefix-cache hit in tokens, as the engine counts it."""
+        hashes = self.memo.hashes(tuple(tokens), salt)
+        hit = min(self.cache.match(hashes), (len(tokens) - 1) // BS) * BS
+        self.cache.release(self.cache.acquire(hashes, tokens, salt))
+        self.publish()
+        return hit
+
+    def hit(self, tokens: list[int], salt: str | None = None) -> int:
+        hashes = self.memo.hashes(tuple(tokens), salt)
+        return min(self.cache.match(hashes), (len(tokens) - 1) // BS) * BS
+
+    def publish(self) -> None:
+        wire: list[Any] = []
+        for event in self.events:
+            if isinstance(event, CacheStored):
+                wire.append(block_stored_event(
+                    event.block_hashes, event.parent_block_hash, event.token_ids,
+                    event.block_size, MEDIUM_GPU, event.first_block, event.cache_salt,
+                ))
+            elif isinstance(event, CacheRemoved):
+                wire.append(BlockRemoved(list(event.block_hashes), MEDIUM_GPU))
+            elif isinstance(event, CacheCleared):
+                wire.append(AllBlocksCleared())
+        self.events.clear()
+        payload = _encode(KVEventBatch(time.time(), wire, 0))
+        apply_events(self.index, self.key, SCOPE, decode_batch(payload))
+
+
+def predicted_hits(index: PrecisePrefixIndex, hasher: PreciseHasher, keys: list[str],
+                   tokens: list[int], salt: str | None = None) -> list[int]:
+    space = index.space(SCOPE)
+    hashes = hasher.block_hashes(tokens, salt, (), space)
+    local, _ = index.match(keys, SCOPE, hashes)
+    return [min(depth, (len(tokens) - 1) // BS) * BS for depth in local]
+
+
+def test_annotations_override_the_defaults() -> None:
+    base = KeySettings()
+    assert base.mode == "tokens"  # vLLM's default: PYTHONHASHSEED unset, random roots
+    got = base.with_annotations({
+        "pdgate.io/prefix-caching-hash-algo": "xxhash_cbor",
+        "pdgate.io/python-hash-seed": "42",
+        "pdgate.io/block-size": "32",
+    })
+    assert got == KeySettings("auto", VllmHashConfig("xxhash_cbor", "42", 32))
+    assert got.mode == "hashes"
+    forced = got.with_annotations({"pdgate.io/precise-index-keys": "tokens"})
+    assert forced.mode == "tokens"
+    # Bad values are ignored (logged), never fatal; `hashes` without a seed keys tokens.
+    bad = base.with_annotations({
+        "pdgate.io/prefix-caching-hash-algo": "md5", "pdgate.io/block-size": "-1",
+        "pdgate.io/precise-index-keys": "hashes",
+    })
+    assert bad.vllm == base.vllm and bad.mode == "tokens"
+
+
+def test_hashes_mode_request_keys_are_vllms_event_hashes() -> None:
+    tokens = [random.Random(1).randrange(50_000) for _ in range(100)]
+    for algo in ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor"):
+        space = KeySpace.of("hashes", algo, "7", BS)  # type: ignore[arg-type]
+        engine = VllmBlockHasher(VllmHashConfig(algo, "7", BS))  # type: ignore[arg-type]
+        assert space.chain(tokens, cache_salt="s") == engine.event_hashes(tokens, cache_salt="s")
+        hasher = PreciseHasher(space)
+        for _ in range(2):  # the second answer comes from the memo
+            assert hasher.block_hashes(tokens, "s", (40, 90)) == engine.event_hashes(
+                tokens, cache_salt="s"
+            )
+
+
+def test_tokens_mode_predicts_engines_with_random_roots() -> None:
+    """PYTHONHASHSEED unset: every engine has its own root; token keys still match."""
+    index = PrecisePrefixIndex()
+    index.set_spaces({SCOPE: KeySpace.of("auto")})
+    assert index.space(SCOPE) is not None and index.space(SCOPE).mode == "tokens"  # type: ignore[union-attr]
+    hasher = PreciseHasher()
+    a, b = Engine("ns/a", index), Engine("ns/b", index)
+    rng = random.Random(5)
+    system = [rng.randrange(50_000) for _ in range(100)]
+    first = system + [rng.randrange(50_000) for _ in range(40)]
+    a.serve(first)
+    b.serve(system + [1, 2, 3] * 20)
+    assert a.memo.hashes(tuple(first)) != b.memo.hashes(tuple(first))  # different roots
+    for tokens in (first + [9] * 30, system + [4] * 50, [8] * 64):
+        assert predicted_hits(index, hasher, ["ns/a", "ns/b"], tokens) == [
+            a.hit(tokens), b.hit(tokens)
+        ]
+    assert predicted_hits(index, hasher, ["ns/a"], first + [9] * 30)[0] >= 128
+    # A salted prompt: the salt travels in the event's extra keys of block 0.
+    a.serve(first, salt="tenant")
+    assert predicted_hits(index, hasher, ["ns/a"], first, "tenant") == [a.hit(first, "tenant")]
+    assert predicted_hits(index, hasher, ["ns/a"], first, "other") == [0]
+    assert index.unkeyed_blocks == 0
+
+
+def test_tokens_mode_follows_evictions_exactly() -> None:
+    index = PrecisePrefixIndex()
+    index.set_spaces({SCOPE: KeySpace.of("tokens")})
+    hasher = PreciseHasher()
+    engine = Engine("p", index, capacity=40)
+    rng = random.Random(3)
+    prefixes = [[rng.randrange(30_000) for _ in range(BS * 6)] for _ in range(5)]
+    for _ in range(80):
+        tokens = prefixes[rng.randrange(5)] + [rng.randrange(30_000) for _ in range(40)]
+        engine.serve(tokens, salt=rng.choice([None, "s"]))
+        probe = prefixes[rng.randrange(5)] + [1] * 17
+        salt = rng.choice([None, "s"])
+        assert predicted_hits(index, hasher, ["p"], probe, salt) == [engine.hit(probe, salt)]
+    assert index.blocks_of("p") == set(engine.cache._blocks)
+    assert len(index.keys_of("p")) == len(index.blocks_of("p"))
+    engine.cache.clear()
+    engine.publish()
+    assert index.blocks_of("p") == set(engine.cache._blocks)
+
+
+def test_a_parent_the_router_never_saw_is_left_out_not_guessed() -> None:
+    index = PrecisePrefixIndex()
+    index.set_spaces({SCOPE: KeySpace.of("tokens")})
+    index.stored("p", SCOPE, [11, 12], "GPU", parent=999, token_ids=[1] * 32, block_size=BS)
+    index.stored("p", SCOPE, [13], "GPU", parent=None, token_ids=None, block_size=BS)
+    index.stored("p", SCOPE, [14], "GPU", parent=None, token_ids=[1] * 8, block_size=8)
+    assert index.unkeyed_blocks == 4 and index.blocks_of("p") == set()
+    # Hashes mode (or no key space): events are indexed as published.
+    index.set_spaces({})
+    index.stored("p", SCOPE, [11, 12], "GPU", parent=999)
+    assert index.keys_of("p") == {11, 12}

@@ -8,6 +8,7 @@ object's name and the reason instead of guessing.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -548,7 +549,16 @@ def _pod(raw: Mapping[str, Any], meta: ObjectMeta) -> Pod:
                 ready = True
                 break
     ip = status.get("podIP")
-    return Pod(meta=meta, ip=None if ip in (None, "") else _str(ip, "status.podIP"), ready=ready)
+    if ip in (None, ""):
+        return Pod(meta=meta, ip=None, ready=ready)
+    text = _str(ip, "status.podIP")
+    try:
+        # The API server only ever writes an address here; anything else is a file cut
+        # mid-write or a typo, and would be dialled as a host name.
+        ipaddress.ip_address(text)
+    except ValueError:
+        _fail("status.podIP", f"not an IP address: {text!r}")
+    return Pod(meta=meta, ip=text, ready=ready)
 
 
 def parse_object(raw: dict[str, Any]) -> Resource:

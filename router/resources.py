@@ -161,6 +161,10 @@ _DURATION_FULL = re.compile(r"[-+]?(?:(?:\d+\.?\d*|\.\d+)(?:ns|us|\u00b5s|\u03bc
 
 _MAX_UINT32 = 2**32 - 1
 _MAX_INT32 = 2**31 - 1
+#: Most retries `trafficPolicy.retry.attempts` may ask for (the CRD's `maximum`). Kthena
+#: sets no bound; each retry is a whole new prefill and decode, and past a few retries a
+#: request only multiplies the load of a failing cluster (Envoy's default is 1).
+MAX_RETRY_ATTEMPTS = 5
 _MAX_LORA_ADAPTERS = 10  # +kubebuilder:validation:MaxItems=10
 _MAX_RULES = 16  # +kubebuilder:validation:MaxItems=16
 _MAX_TARGETS = 16  # +kubebuilder:validation:MaxItems=16
@@ -527,7 +531,7 @@ def _model_server(raw: Mapping[str, Any], meta: ObjectMeta) -> ModelServer:
         timeout_s=timeout_s,
         retry_attempts=0
         if attempts is None
-        else _int(attempts, "spec.trafficPolicy.retry.attempts", 0, _MAX_INT32),
+        else _int(attempts, "spec.trafficPolicy.retry.attempts", 0, MAX_RETRY_ATTEMPTS),
         retry_interval_s=interval_s,
         kv_connector=cast(
             ConnectorType,

@@ -61,6 +61,7 @@ class AppState:
         self.proxy = Proxy(
             self.view, self.scheduler, self.inflight, self.upstream, self.metrics,
             outliers=self.resilience.outliers, limiter=self.security.rate_limiter,
+            retry_budget=self.resilience.retry_budget,
         )
         self.sources: list[Source] = list(config.extra_sources)
         self.started_at = time.time()

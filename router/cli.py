@@ -89,6 +89,10 @@ def _add_reliability_flags(serve: argparse.ArgumentParser) -> None:
         help="requests waiting for admission beyond those bounds (then 503)")
     add("--queue-timeout", type=float, default=r.queue_timeout_s,
         help="seconds a request may wait for admission")
+    add("--retry-budget-percent", type=float, default=r.retry_budget_percent,
+        help="retries in flight may reach this %% of the requests in flight (Envoy's budget)")
+    add("--retry-min-concurrency", type=int, default=r.retry_min_concurrency,
+        help="retries allowed in flight whatever the budget says")
     add("--drain-grace", type=float, default=r.drain_grace_s,
         help="seconds requests in flight get to finish after SIGTERM")
     add("--drain-delay", type=float, default=r.drain_delay_s,
@@ -123,6 +127,8 @@ def _reliability_configs(
         max_inflight_per_model=args.max_inflight_per_model,
         max_queue=args.max_queue,
         queue_timeout_s=args.queue_timeout,
+        retry_budget_percent=args.retry_budget_percent,
+        retry_min_concurrency=args.retry_min_concurrency,
         drain_grace_s=args.drain_grace,
         drain_delay_s=args.drain_delay,
     )

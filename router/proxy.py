@@ -8,7 +8,9 @@ The flow of one attempt:
 Failures before the first byte reaches the client are retried per the ModelServer's
 trafficPolicy on a freshly picked pair that avoids the failed pod; a decode that fails
 after its prefill (its KV was not there) gets one fresh prefill on another pair even with
-no retries configured. After the first byte a failure, or a stream that ends without
+no retries configured. A retry never goes to an ejected pod (none left: no retry), and
+only while the router-wide retry budget allows it; a retry not made ends the request with
+the error that prompted it. After the first byte a failure, or a stream that ends without
 `[DONE]`, ends the stream with an OpenAI error event and `[DONE]`, never a second,
 spliced answer. `trafficPolicy.timeout` bounds the whole request. Failures that blame a
 pod feed outlier ejection; a route's `rateLimit` is checked before any pod is picked and
@@ -44,7 +46,8 @@ from router.load import InFlight
 from router.metrics import RouterMetrics
 from router.request import ParsedRequest
 from router.resilience.config import ResilienceConfig
-from router.resilience.ejection import OutlierDetector
+from router.resilience.ejection import OutlierDetector, without_ejected
+from router.resilience.retry_budget import RetryBudget
 from router.routing import ModelNotFound, NoRoute, RouteDecision, resolve
 from router.scheduling import Pick, Scheduler, ScheduleRequest
 from router.security.ratelimit import TokenRateLimiter
@@ -115,6 +118,11 @@ class Attempt:
     output_tokens: int = 0  # a non-streaming answer's completion tokens (track_usage only)
     waiting_on: Endpoint | None = None  # the pod whose answer is awaited (blamed on timeout)
     pick: Pick | None = None  # the pair of the latest attempt
+    failure: UpstreamError | None = None  # the latest attempt's failure
+
+
+class _RetryRefused(Exception):
+    """A retry that was not made (budget spent, or only ejected pods left)."""
 
 
 class Proxy:
@@ -129,6 +137,7 @@ class Proxy:
         *,
         outliers: OutlierDetector | None = None,
         limiter: TokenRateLimiter | None = None,
+        retry_budget: RetryBudget | None = None,
     ) -> None:
         self.view = view
         self.scheduler = scheduler
@@ -138,6 +147,7 @@ class Proxy:
         self.rng = rng or random.Random()
         self.outliers = outliers or OutlierDetector(ResilienceConfig(consecutive_failures=0))
         self.limiter = limiter
+        self.retry_budget = retry_budget or RetryBudget()
 
     async def serve(
         self, parsed: ParsedRequest, client_headers: Mapping[str, str], out: Responder
@@ -192,6 +202,8 @@ class Proxy:
             deadline=loop.time() + (server.timeout_s or DEFAULT_TIMEOUT_SECONDS),
             track_usage=track_usage,
         )
+        budget = self.retry_budget
+        budget.requests += 1
         try:
             async with asyncio.timeout_at(attempt.deadline):
                 await self._serve_with_retries(attempt, out)
@@ -201,6 +213,7 @@ class Proxy:
         except APIError as exc:
             await self._fail(out, exc, request_id)
         finally:
+            budget.requests -= 1
             if track_usage and self.limiter is not None:
                 usage = attempt.usage
                 tokens = usage.charged if usage is not None else attempt.output_tokens
@@ -226,6 +239,7 @@ class Proxy:
             if out.started or not exc.retryable or retries < 1:
                 raise _client_error(exc) from None
             self._note_failure(exc, avoid, attempt)
+            attempt.failure = exc
         # Retries only: tenacity stays off the success path (it costs ~20 µs a call).
         retrying = AsyncRetrying(
             stop=stop_after_attempt(retries),
@@ -240,9 +254,35 @@ class Proxy:
         try:
             async for trial in retrying:
                 with trial:
-                    await self._attempt(attempt, server, avoid, out)
+                    await self._retry(attempt, server, avoid, out)
         except UpstreamError as exc:
             raise _client_error(exc) from None
+        except _RetryRefused:
+            assert attempt.failure is not None
+            raise _client_error(attempt.failure) from None
+
+    async def _retry(
+        self, attempt: Attempt, server: ServerPods, avoid: set[str], out: Responder
+    ) -> None:
+        """One retry: on pods that are not ejected, within the router's retry budget."""
+        target = without_ejected(server, self.outliers.ejected)
+        budget = self.retry_budget
+        if target is None:
+            budget.refuse("ejected")
+            log.info("request %s: no retry, every pod left is ejected", attempt.request_id)
+            raise _RetryRefused
+        if not budget.try_acquire():
+            log.info("request %s: no retry, the retry budget is spent", attempt.request_id)
+            raise _RetryRefused
+        assert attempt.failure is not None
+        self.metrics.retry(attempt.parsed.model, attempt.failure.phase)
+        try:
+            await self._attempt(attempt, target, avoid, out)
+        except UpstreamError as exc:
+            attempt.failure = exc
+            raise
+        finally:
+            budget.release()
 
     def _note_retry_sleep(self, outcome: Any, avoid: set[str], attempt: Attempt) -> None:
         exc = outcome.exception() if outcome is not None else None
@@ -255,9 +295,7 @@ class Proxy:
             avoid.add(pod.key)
         if _kv_lost(exc) and attempt.pick is not None and attempt.pick.prefill is not None:
             avoid.add(attempt.pick.prefill.key)  # its KV went missing: try a whole new pair
-        self.metrics.retry(attempt.parsed.model, exc.phase)
-        log.info("request %s: retrying after %s in %s", attempt.request_id, exc.reason,
-                 exc.phase)
+        log.info("request %s: %s in %s", attempt.request_id, exc.reason, exc.phase)
 
     async def _attempt(
         self, attempt: Attempt, server: ServerPods, avoid: set[str], out: Responder

@@ -2,7 +2,7 @@
 
 Everything a client can get wrong is refused here with a 400 that names the field, so
 the data path only ever sees a JSON object with a string `model` and the fields its
-endpoint needs.
+endpoint needs, with sampling fields inside the bounds of `sampling_bounds`.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 import orjson
 
 from router.errors import APIError, bad_request
+from router.sampling_bounds import BOUNDS, COMPLETION_LOGPROBS, check_sampling
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
 MAX_MESSAGES = 2048
@@ -78,6 +79,8 @@ def parse_request(path: str, raw: bytes, max_body_bytes: int = MAX_BODY_BYTES) -
         raise bad_request("`stream` must be a boolean.", param="stream")
     for name in ("max_tokens", "max_completion_tokens"):
         _check_token_count(body, name)
+    _check_token_count(body, "min_tokens", lowest=0)
+    check_sampling(body, chat=path == CHAT_PATH)
 
     include_usage = False
     options = body.get("stream_options")
@@ -130,14 +133,15 @@ def _check_prompt(prompt: object) -> None:
     raise bad_request("`prompt` must be a string or a non-empty array.", param="prompt")
 
 
-def _check_token_count(body: dict[str, Any], name: str) -> None:
+def _check_token_count(body: dict[str, Any], name: str, lowest: int = 1) -> None:
     value = body.get(name)
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, int):
         raise bad_request(f"`{name}` must be an integer.", param=name)
-    if not 1 <= value <= MAX_TOKENS_LIMIT:
-        raise bad_request(f"`{name}` must be between 1 and {MAX_TOKENS_LIMIT}.", param=name)
+    if not lowest <= value <= MAX_TOKENS_LIMIT:
+        raise bad_request(f"`{name}` must be between {lowest} and {MAX_TOKENS_LIMIT}.",
+                          param=name)
 
 
 def openapi_paths() -> tuple[dict[str, Any], dict[str, Any]]:
@@ -156,7 +160,8 @@ def openapi_paths() -> tuple[dict[str, Any], dict[str, Any]]:
         },
         "max_tokens": token_count,
         "max_completion_tokens": token_count,
-        "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+        "min_tokens": {**token_count, "minimum": 0},
+        **{name: bound.schema() for name, bound in BOUNDS.items()},
     }
     message = {
         "type": "object",
@@ -174,6 +179,7 @@ def openapi_paths() -> tuple[dict[str, Any], dict[str, Any]]:
                 **common,
                 "messages": {"type": "array", "minItems": 1, "maxItems": MAX_MESSAGES,
                              "items": message},
+                "logprobs": {"type": "boolean"},
             },
         },
         "CompletionRequest": {
@@ -181,6 +187,7 @@ def openapi_paths() -> tuple[dict[str, Any], dict[str, Any]]:
             "required": ["model", "prompt"],
             "properties": {
                 **common,
+                "logprobs": COMPLETION_LOGPROBS.schema(),
                 "prompt": {"anyOf": [
                     {"type": "string"},
                     {"type": "array", "minItems": 1, "items": {"type": "string"}},

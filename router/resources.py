@@ -8,6 +8,7 @@ object's name and the reason instead of guessing.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -160,6 +161,10 @@ _DURATION_FULL = re.compile(r"[-+]?(?:(?:\d+\.?\d*|\.\d+)(?:ns|us|\u00b5s|\u03bc
 
 _MAX_UINT32 = 2**32 - 1
 _MAX_INT32 = 2**31 - 1
+#: Most retries `trafficPolicy.retry.attempts` may ask for (the CRD's `maximum`). Kthena
+#: sets no bound; each retry is a whole new prefill and decode, and past a few retries a
+#: request only multiplies the load of a failing cluster (Envoy's default is 1).
+MAX_RETRY_ATTEMPTS = 5
 _MAX_LORA_ADAPTERS = 10  # +kubebuilder:validation:MaxItems=10
 _MAX_RULES = 16  # +kubebuilder:validation:MaxItems=16
 _MAX_TARGETS = 16  # +kubebuilder:validation:MaxItems=16
@@ -526,7 +531,7 @@ def _model_server(raw: Mapping[str, Any], meta: ObjectMeta) -> ModelServer:
         timeout_s=timeout_s,
         retry_attempts=0
         if attempts is None
-        else _int(attempts, "spec.trafficPolicy.retry.attempts", 0, _MAX_INT32),
+        else _int(attempts, "spec.trafficPolicy.retry.attempts", 0, MAX_RETRY_ATTEMPTS),
         retry_interval_s=interval_s,
         kv_connector=cast(
             ConnectorType,
@@ -548,7 +553,16 @@ def _pod(raw: Mapping[str, Any], meta: ObjectMeta) -> Pod:
                 ready = True
                 break
     ip = status.get("podIP")
-    return Pod(meta=meta, ip=None if ip in (None, "") else _str(ip, "status.podIP"), ready=ready)
+    if ip in (None, ""):
+        return Pod(meta=meta, ip=None, ready=ready)
+    text = _str(ip, "status.podIP")
+    try:
+        # The API server only ever writes an address here; anything else is a file cut
+        # mid-write or a typo, and would be dialled as a host name.
+        ipaddress.ip_address(text)
+    except ValueError:
+        _fail("status.podIP", f"not an IP address: {text!r}")
+    return Pod(meta=meta, ip=text, ready=ready)
 
 
 def parse_object(raw: dict[str, Any]) -> Resource:

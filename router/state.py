@@ -11,6 +11,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
+from router.config_watch import ConfigWatch
 from router.load import InFlight
 from router.metrics import RouterMetrics
 from router.proxy import Proxy
@@ -45,6 +46,7 @@ class AppState:
         self.registry = CollectorRegistry()
         self.metrics = RouterMetrics(self.registry)
         self.view = ClusterView()
+        self.config_watch = ConfigWatch(self.view, self.registry, lambda: self.synced)
         self.inflight = InFlight(self.registry)
         self.upstream = Upstream()
         self.scheduler_runtime = build_scheduler(
@@ -59,6 +61,7 @@ class AppState:
         self.proxy = Proxy(
             self.view, self.scheduler, self.inflight, self.upstream, self.metrics,
             outliers=self.resilience.outliers, limiter=self.security.rate_limiter,
+            retry_budget=self.resilience.retry_budget,
         )
         self.sources: list[Source] = list(config.extra_sources)
         self.started_at = time.time()
@@ -88,7 +91,7 @@ class AppState:
         if self.config.config_dir is not None:
             from router.sources.files import FileSource
 
-            self.sources.append(FileSource(self.config.config_dir))
+            self.sources.append(FileSource(self.config.config_dir, registry=self.registry))
         if self.config.kubernetes:
             from router.sources.kubernetes import KubernetesSource
 
@@ -101,6 +104,7 @@ class AppState:
             )
         for source in self.sources:
             self._tasks.append(asyncio.create_task(source.run(self.view)))
+        self._tasks.append(asyncio.create_task(self.config_watch.run()))
         self._tasks.append(asyncio.create_task(self.scheduler_runtime.run()))
         self._tasks.append(asyncio.create_task(self.resilience.run()))
         self._tasks.append(asyncio.create_task(self.security.run()))

@@ -15,6 +15,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Literal, TypeVar
 
 from router.resources import (
@@ -94,6 +95,15 @@ class ServerPods:
 
 
 @dataclass(frozen=True, slots=True)
+class ShadowedRoute:
+    """A model name (`modelName` or LoRA adapter) `route` claims that `winner` serves."""
+
+    route: ModelRoute
+    model: str
+    winner: ModelRoute
+
+
+@dataclass(frozen=True, slots=True)
 class Snapshot:
     """An immutable picture of routes, servers and their ready pods."""
 
@@ -102,6 +112,7 @@ class Snapshot:
     ambiguous_pods: int = 0  # matched both role label sets or neither: left out
     generation: int = 0
     ambiguous_pod_keys: tuple[str, ...] = ()  # "ns/name" of the pods counted above, sorted
+    shadowed: tuple[ShadowedRoute, ...] = ()  # names a route claims but an older one serves
 
     def model_names(self) -> list[str]:
         return sorted(self.routes_by_model)
@@ -241,25 +252,38 @@ def _typed(objs: Iterable[Resource], cls: type[_T]) -> list[_T]:
     return [obj for obj in objs if isinstance(obj, cls)]
 
 
-def _route_order(route: ModelRoute) -> tuple[object, str, str]:
+def route_age_key(route: ModelRoute) -> tuple[datetime, str, str]:
+    """The one order of ModelRoutes claiming the same name: oldest first.
+
+    The oldest `creationTimestamp` wins, then namespace/name (as Kthena does); every
+    source and every check (the Kubernetes source's duplicate report, the file source's
+    first-seen age) goes through this key, so they cannot disagree on the winner.
+    """
     return (timestamp_key(route.meta.creation_timestamp), route.meta.namespace, route.meta.name)
 
 
-def _routes_by_model(routes: list[ModelRoute]) -> dict[str, ModelRoute]:
-    """Map each model name and LoRA adapter to its oldest route.
+def _routes_by_model(
+    routes: list[ModelRoute],
+) -> tuple[dict[str, ModelRoute], tuple[ShadowedRoute, ...]]:
+    """Map each model name and LoRA adapter to its oldest route; list the losers.
 
     As in Kthena, a name claimed as some route's `modelName` is looked up there before
     any route's `loraAdapters`; among routes of one kind the oldest wins.
     """
-    ordered = sorted(routes, key=_route_order)
+    ordered = sorted(routes, key=route_age_key)
     out: dict[str, ModelRoute] = {}
+    shadowed: list[ShadowedRoute] = []
     for route in ordered:
         if route.model_name is not None:
-            out.setdefault(route.model_name, route)
+            winner = out.setdefault(route.model_name, route)
+            if winner is not route:
+                shadowed.append(ShadowedRoute(route, route.model_name, winner))
     for route in ordered:
         for adapter in route.lora_adapters:
-            out.setdefault(adapter, route)
-    return out
+            winner = out.setdefault(adapter, route)
+            if winner is not route:
+                shadowed.append(ShadowedRoute(route, adapter, winner))
+    return out, tuple(shadowed)
 
 
 class _NamespacePods:
@@ -366,12 +390,14 @@ def build_snapshot(
     for server in sorted(servers, key=lambda s: s.meta.key):
         selected = by_namespace.get(server.meta.namespace, empty).select(server.match_labels)
         server_pods[server.meta.key] = _server_pods(server, selected, left_out)
+    routes_by_model, shadowed = _routes_by_model(routes)
     return Snapshot(
-        routes_by_model=_routes_by_model(routes),
+        routes_by_model=routes_by_model,
         servers=server_pods,
         ambiguous_pods=len(left_out),
         generation=generation,
         ambiguous_pod_keys=tuple(sorted(left_out)),
+        shadowed=shadowed,
     )
 
 
@@ -385,6 +411,8 @@ __all__ = [
     "Pod",
     "Role",
     "ServerPods",
+    "ShadowedRoute",
     "Snapshot",
     "build_snapshot",
+    "route_age_key",
 ]

@@ -1,4 +1,5 @@
-"""The reliability layer one router holds: outlier ejection, health checks, admission, drain.
+"""The reliability layer one router holds: outlier ejection, health checks, admission, drain,
+and the retry budget.
 
 `Resilience` is built once by `AppState` and passed to whoever needs a part of it; its
 `run()` is the background work (health checks and readmission probes). Give the scheduler
@@ -14,6 +15,7 @@ from router.resilience.config import ResilienceConfig
 from router.resilience.drain import Drain
 from router.resilience.ejection import OutlierDetector
 from router.resilience.health import HealthChecker, Probe
+from router.resilience.retry_budget import RetryBudget
 from router.view import ClusterView, Snapshot
 
 
@@ -30,6 +32,9 @@ class Resilience:
         self.health = HealthChecker(config, view, self.outliers, probe, registry)
         self.admission = Admission(config, registry)
         self.drain = Drain()
+        self.retry_budget = RetryBudget(
+            config.retry_budget_percent, config.retry_min_concurrency, registry
+        )
         self.is_ejected = self.outliers.is_ejected
         view.subscribe(self._on_snapshot)
 
@@ -42,4 +47,5 @@ class Resilience:
 
 __all__ = [
     "Admission", "Drain", "HealthChecker", "OutlierDetector", "Resilience", "ResilienceConfig",
+    "RetryBudget",
 ]

@@ -2,8 +2,9 @@
 
 Defaults suit a cluster: a pod is ejected after five failures in a row and probed back
 after 5 s (doubling while it keeps failing, up to 2 minutes); every pod's `/health` is
-checked every 5 s; admission control is off until a bound is given; a SIGTERM drains for
-up to 30 s.
+checked every 5 s; admission control is off until a bound is given; retries in flight
+may reach 20 % of the requests in flight, and at least 3 (Envoy's retry budget); a SIGTERM
+drains for up to 30 s.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ class ResilienceConfig:
     max_inflight_per_model: int = 0
     max_queue: int = 0
     queue_timeout_s: float = 5.0
+    # The router-wide retry budget (see retry_budget.py).
+    retry_budget_percent: float = 20.0
+    retry_min_concurrency: int = 3
     # Graceful drain on SIGTERM.
     drain_grace_s: float = 30.0
     #: Time `/readyz` stays false before the wait for requests starts (lets load
@@ -38,13 +42,15 @@ class ResilienceConfig:
 
     def __post_init__(self) -> None:
         for name in ("consecutive_failures", "unhealthy_threshold", "max_inflight",
-                     "max_inflight_per_model", "max_queue"):
+                     "max_inflight_per_model", "max_queue", "retry_min_concurrency"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative")
         for name in ("base_ejection_s", "max_ejection_s", "health_interval_s",
                      "health_timeout_s", "queue_timeout_s", "drain_grace_s", "drain_delay_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative")
+        if not 0 <= self.retry_budget_percent <= 100:
+            raise ValueError("retry_budget_percent must be between 0 and 100")
         if self.probe_tick_s <= 0:
             raise ValueError("probe_tick_s must be positive")
         if not self.health_path.startswith("/"):

@@ -8,7 +8,9 @@ stays out until its backoff ends AND a probe of its health endpoint succeeds (th
 successfully for as long as its last ejection lasted.
 
 The success path costs one truthiness test while no pod is in trouble. `is_ejected` is the
-hook the scheduler's `not-ejected` filter calls.
+hook the scheduler's `not-ejected` filter calls. That filter is soft (a degraded answer
+beats a 503 on a first attempt); a retry is stricter: `without_ejected` leaves it only
+the pods that are not ejected, and when none is left the retry is not made.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from router.resilience.config import ResilienceConfig
-from router.view import Endpoint
+from router.view import Endpoint, PDGroupPods, ServerPods
 
 log = logging.getLogger("pdgate.ejection")
 
@@ -170,3 +172,32 @@ class OutlierDetector:
                     self._metrics.ejected.remove(key)
         if self._metrics is not None:
             self._metrics.ejected_count.set(len(self.ejected))
+
+
+def without_ejected(server: ServerPods, ejected: set[str]) -> ServerPods | None:
+    """`server` without the pods in `ejected`; None if no pod (PD: no whole pair) is left.
+
+    A PD group keeps only if it still has a prefill and a decode pod. Returns `server`
+    itself when none of its pods is ejected.
+    """
+    if not ejected:
+        return server
+    if not server.is_pd:
+        pods = tuple(p for p in server.aggregated if p.key not in ejected)
+        if len(pods) == len(server.aggregated):
+            return server
+        return ServerPods(server=server.server, aggregated=pods) if pods else None
+    groups: list[PDGroupPods] = []
+    changed = False
+    for group in server.groups:
+        prefill = tuple(p for p in group.prefill if p.key not in ejected)
+        decode = tuple(p for p in group.decode if p.key not in ejected)
+        if len(prefill) == len(group.prefill) and len(decode) == len(group.decode):
+            groups.append(group)
+            continue
+        changed = True
+        if prefill and decode:
+            groups.append(PDGroupPods(group=group.group, prefill=prefill, decode=decode))
+    if not changed:
+        return server
+    return ServerPods(server=server.server, groups=tuple(groups)) if groups else None

@@ -5,26 +5,47 @@ ModelRoute, ModelServer and Pod documents feed the view and other kinds (schedul
 config, ConfigMaps, ...) are skipped silently, so one directory can hold a whole
 deployment. The directory is polled by stat signature (cheap, no dependency) and on
 any change re-read and applied in one `batch()`, so a snapshot never shows half an edit.
+
+Age. A file object has no API server to stamp it, so the reader gives every object
+without `metadata.creationTimestamp` the time it first saw it, and keeps that time
+across re-reads (and moves between files) until the object leaves the directory. Two
+ModelRoutes claiming one `modelName` are thus ordered as in Kubernetes: the older keeps
+the traffic, whichever name sorts first (objects read together share a time; then
+namespace/name decides, as for equal creationTimestamps).
+
+A file is applied whole, or not at all. A write caught half-way shows either as YAML
+that does not parse or as a document that fails validation (a cut IP, a missing
+required field). Either way, if the file validated before, all of its last good objects
+stay served, the failure is logged and counted (`pdgate_config_file_errors_total`), and
+`pdgate_config_files_held` counts the files served from such a last good reading; the
+next complete write is picked up. A new file that never validated contributes its valid
+documents only. A truncation that leaves valid YAML of valid objects (a file cut at a
+document boundary) cannot be told from an edit and is applied; the router then logs the
+ModelServers that lost their pods. A deleted file's objects are removed, with a warning.
+Writers should write a temporary file and rename it, as kubelet and editors do.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import yaml
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from router.resources import (
     KINDS,
     InvalidObject,
     Resource,
+    format_timestamp,
     kind_of,
-    object_name,
     parse_object,
 )
 from router.view import ClusterView
@@ -40,12 +61,17 @@ Signature = tuple[int, int, int, int]
 ObjectKey = tuple[str, str, str]  # (kind, namespace, name)
 
 
+#: Why a file's reading was refused (the `reason` label of the error counter).
+FILE_ERROR_REASONS = ("unreadable", "yaml", "invalid")
+
+
 @dataclass(slots=True)
 class _FileEntry:
     """What one file last yielded: its good objects survive a later broken write."""
 
     signature: Signature
     objects: dict[ObjectKey, Resource] = field(default_factory=dict)
+    held: bool = False  # the last reading was refused: these objects are an older one's
 
 
 @dataclass(slots=True)
@@ -54,6 +80,9 @@ class LoadResult:
 
     objects: dict[str, list[Resource]]  # by kind, every kind present (maybe empty)
     invalid: list[InvalidObject]  # newly found problems, to report once
+    #: Files read now whose reading was refused, with the reason (FILE_ERROR_REASONS).
+    file_errors: list[tuple[Path, str]] = field(default_factory=list)
+    held: int = 0  # files served from an earlier, good reading
 
 
 def _key(obj: Resource) -> ObjectKey:
@@ -81,10 +110,17 @@ class DirectoryReader:
     Not thread-safe; one reading at a time.
     """
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(
+        self, directory: Path, now: Callable[[], datetime] = lambda: datetime.now(UTC)
+    ) -> None:
         self.directory = directory
+        self._now = now
         self._files: dict[Path, _FileEntry] = {}
         self._last_scan: dict[Path, Signature] | None = None
+        #: When each object without a creationTimestamp was first seen (its age); only
+        #: objects present in the directory are kept, so it is bounded by them.
+        self._first_seen: dict[ObjectKey, str] = {}
+        self._stamp = ""  # this reading's time, for objects seen for the first time
 
     def scan(self) -> dict[Path, Signature]:
         """Stat every manifest file; hidden entries (editor swaps, ConfigMap `..data`) skipped."""
@@ -120,13 +156,18 @@ class DirectoryReader:
 
     def _load(self, scan: dict[Path, Signature]) -> LoadResult:
         invalid: list[InvalidObject] = []
+        errors: list[tuple[Path, str]] = []
         files: dict[Path, _FileEntry] = {}
+        self._stamp = format_timestamp(self._now())
         for path, signature in scan.items():
             previous = self._files.get(path)
             if previous is not None and previous.signature == signature:
                 files[path] = previous
             else:
-                files[path] = self._read(path, signature, previous, invalid)
+                files[path] = self._read(path, signature, previous, invalid, errors)
+        for path, entry in self._files.items():
+            if path not in files and entry.objects:
+                log.warning("%s is gone: its %d objects are removed", path, len(entry.objects))
         self._files = files
         self._last_scan = scan
 
@@ -146,7 +187,14 @@ class DirectoryReader:
                     continue
                 owner[key] = path
                 merged[key[0]].append(obj)
-        return LoadResult(objects=merged, invalid=invalid)
+        for key in [k for k in self._first_seen if k not in owner]:
+            del self._first_seen[key]  # gone: if it comes back, it is a new object
+        return LoadResult(
+            objects=merged,
+            invalid=invalid,
+            file_errors=errors,
+            held=sum(1 for entry in files.values() if entry.held),
+        )
 
     def _read(
         self,
@@ -154,6 +202,7 @@ class DirectoryReader:
         signature: Signature,
         previous: _FileEntry | None,
         invalid: list[InvalidObject],
+        errors: list[tuple[Path, str]],
     ) -> _FileEntry:
         kept = previous.objects if previous is not None else {}
         try:
@@ -163,10 +212,13 @@ class DirectoryReader:
             # Most likely a write in progress: keep what the file said last time. The
             # signature was taken before the read, so finishing the write changes it
             # and the next poll reads the file again.
+            reason = "yaml" if isinstance(exc, yaml.YAMLError) else "unreadable"
+            errors.append((path, reason))
             log.warning("cannot read %s (keeping its %d previous objects): %s",
                         path, len(kept), exc)
-            return _FileEntry(signature=signature, objects=dict(kept))
+            return _FileEntry(signature=signature, objects=dict(kept), held=bool(kept))
         objects: dict[ObjectKey, Resource] = {}
+        refused: list[InvalidObject] = []
         for raw in docs:
             for doc in _documents(raw):
                 kind = doc.get("kind")
@@ -175,15 +227,29 @@ class DirectoryReader:
                 try:
                     obj = parse_object(dict(doc))
                 except InvalidObject as exc:
-                    invalid.append(InvalidObject(exc.kind, exc.name, f"{exc.reason} (in {path})"))
-                    # Keep this object's last good version, as the API server would.
-                    namespace, _, name = object_name(doc).partition("/")
-                    last_good = kept.get((str(kind), namespace, name))
-                    if last_good is not None:
-                        objects[_key(last_good)] = last_good
+                    refused.append(InvalidObject(exc.kind, exc.name, f"{exc.reason} (in {path})"))
                     continue
-                objects[_key(obj)] = obj
+                objects[_key(obj)] = self._aged(obj)
+        invalid.extend(refused)
+        if refused:
+            errors.append((path, "invalid"))
+            if kept:
+                # Maybe a write caught half-way (a cut value fails validation): serve the
+                # file's last good reading whole rather than the part that validated.
+                log.warning("%s has %d invalid documents: keeping its %d objects of the "
+                            "last good reading", path, len(refused), len(kept))
+                return _FileEntry(signature=signature, objects=dict(kept), held=True)
         return _FileEntry(signature=signature, objects=objects)
+
+    def _aged(self, obj: Resource) -> Resource:
+        """`obj` with its creationTimestamp, or the time the reader first saw it."""
+        if obj.meta.creation_timestamp:
+            return obj
+        key = _key(obj)
+        stamp = self._first_seen.setdefault(key, self._stamp)
+        return dataclasses.replace(
+            obj, meta=dataclasses.replace(obj.meta, creation_timestamp=stamp)
+        )
 
 
 def apply_result(view: ClusterView, result: LoadResult) -> None:
@@ -202,6 +268,31 @@ def load_directory(directory: Path, view: ClusterView) -> LoadResult:
     return result
 
 
+class FileMetrics:
+    """`pdgate_config_file_errors_total{reason}` and `pdgate_config_files_held`."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.errors = Counter(
+            "pdgate_config_file_errors",
+            "Config file readings refused, by reason (unreadable, yaml, invalid): "
+            "counted once per version of a file.",
+            ["reason"], registry=registry,
+        )
+        for reason in FILE_ERROR_REASONS:
+            self.errors.labels(reason=reason)
+        self.held = Gauge(
+            "pdgate_config_files_held",
+            "Config files whose latest version was refused and whose last good "
+            "reading is still served.",
+            registry=registry,
+        )
+
+    def observe(self, result: LoadResult) -> None:
+        for _, reason in result.file_errors:
+            self.errors.labels(reason=reason).inc()
+        self.held.set(result.held)
+
+
 class FileSource:
     """A `Source` fed by a directory of YAML manifests, polled for changes.
 
@@ -209,13 +300,19 @@ class FileSource:
     them all), so it should not share a view's kinds with another source.
     """
 
-    def __init__(self, directory: Path, poll_interval: float = 0.5) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        poll_interval: float = 0.5,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
         if poll_interval <= 0:
             raise ValueError("poll_interval must be positive")
         self.directory = Path(directory)
         self.poll_interval = poll_interval
         self._reader = DirectoryReader(self.directory)
         self._synced = False
+        self._metrics = FileMetrics(registry) if registry is not None else None
 
     @property
     def synced(self) -> bool:
@@ -237,6 +334,8 @@ class FileSource:
                 result = None
             if result is not None:
                 apply_result(view, result)
+                if self._metrics is not None:
+                    self._metrics.observe(result)
                 if not self._synced:
                     self._synced = True
                     log.info("loaded %s: %s", self.directory, {
@@ -245,4 +344,7 @@ class FileSource:
             await asyncio.sleep(self.poll_interval)
 
 
-__all__ = ["DirectoryReader", "FileSource", "LoadResult", "apply_result", "load_directory"]
+__all__ = [
+    "DirectoryReader", "FileMetrics", "FileSource", "LoadResult", "apply_result",
+    "load_directory",
+]

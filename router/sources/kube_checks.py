@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
-from router.resources import ModelRoute, timestamp_key
+from router.resources import ModelRoute
+from router.view import build_snapshot, route_age_key
 
 MISSING_MODEL_SERVER = "MissingModelServer"
 DUPLICATE_MODEL_NAME = "DuplicateModelName"
@@ -23,18 +24,17 @@ class Problem:
     message: str
 
 
-def _age_order(route: ModelRoute) -> tuple[object, str, str]:
-    # The view's order: oldest creationTimestamp first, then namespace/name.
-    return (timestamp_key(route.meta.creation_timestamp), route.meta.namespace, route.meta.name)
-
-
 def route_problems(
     routes: Iterable[ModelRoute], servers: Collection[tuple[str, str]]
 ) -> list[Problem]:
-    """Missing targetModels servers (same namespace) and younger duplicate modelNames."""
+    """Missing targetModels servers (same namespace) and younger duplicate modelNames.
+
+    Which route loses a modelName is the view's decision (`build_snapshot`), so the
+    report names exactly the route that gets no traffic for it.
+    """
+    routes = sorted(routes, key=route_age_key)
     problems: list[Problem] = []
-    owners: dict[str, ModelRoute] = {}
-    for route in sorted(routes, key=_age_order):
+    for route in routes:
         namespace = route.meta.namespace
         missing = sorted(
             {
@@ -53,17 +53,17 @@ def route_problems(
                     f"exist in namespace {namespace}: those targets get no traffic",
                 )
             )
-        if route.model_name is None:
-            continue
-        owner = owners.setdefault(route.model_name, route)
-        if owner is not route:
-            problems.append(
-                Problem(
-                    route,
-                    DUPLICATE_MODEL_NAME,
-                    f"modelName {route.model_name!r} is already served by the older "
-                    f"ModelRoute {owner.meta.namespace}/{owner.meta.name}; "
-                    "this route is ignored for it",
-                )
+    for lost in build_snapshot(routes, [], []).shadowed:
+        if lost.model != lost.route.model_name:
+            continue  # a LoRA adapter served elsewhere: logged by the router, no Event
+        owner = lost.winner.meta
+        problems.append(
+            Problem(
+                lost.route,
+                DUPLICATE_MODEL_NAME,
+                f"modelName {lost.model!r} is already served by the older "
+                f"ModelRoute {owner.namespace}/{owner.name}; "
+                "this route is ignored for it",
             )
+        )
     return problems

@@ -17,7 +17,7 @@ import jsonschema
 import pytest
 import yaml
 
-from router.resources import InvalidObject, parse_object
+from router.resources import MAX_RETRY_ATTEMPTS, InvalidObject, parse_object
 from tests.fixtures import KTHENA_PD_EXAMPLE
 
 REPO = Path(__file__).resolve().parents[2]
@@ -175,6 +175,9 @@ def test_field_names_enums_bounds_and_defaults_match_kthena() -> None:
     assert port["protocol"]["enum"] == ["http", "https"] and port["protocol"]["default"] == "http"
     retry = server["trafficPolicy"]["properties"]["retry"]["properties"]
     assert retry["retryInterval"]["default"] == "100ms"
+    assert (retry["attempts"]["minimum"], retry["attempts"]["maximum"]) == (
+        0, MAX_RETRY_ATTEMPTS
+    )
     connector = server["kvConnector"]["properties"]["type"]
     assert sorted(connector["enum"]) == ["http", "lmcache", "mooncake", "nixl"]
     assert connector["default"] == "http"
@@ -232,6 +235,9 @@ REJECTED = [
     ("ModelServer", "spec.model", "m" * 257),
     ("ModelServer", "spec.trafficPolicy.timeout", "five minutes"),
     ("ModelServer", "spec.trafficPolicy.retry.retryInterval", "100"),
+    ("ModelServer", "spec.trafficPolicy.retry.attempts", 6),
+    ("ModelServer", "spec.trafficPolicy.retry.attempts", 1_000_000),
+    ("ModelServer", "spec.trafficPolicy.retry.attempts", -1),
     ("ModelServer", "spec.workloadSelector.pdGroup.prefillLabels", {}),
     ("ModelServer", "spec.workloadSelector.pdGroup.groupKey", _DELETE),
 ]

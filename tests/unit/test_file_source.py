@@ -8,13 +8,15 @@ import os
 import shutil
 import time
 from collections.abc import AsyncIterator, Callable
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from router.resources import API_VERSION
 from router.sources.base import Source
-from router.sources.files import DirectoryReader, FileSource, load_directory
+from router.sources.files import DirectoryReader, FileSource, apply_result, load_directory
 from router.view import ClusterView, Snapshot
 from tests.fixtures import KTHENA_PD_EXAMPLE
 
@@ -286,3 +288,135 @@ async def test_starts_on_missing_directory_and_follows_it(tmp_path: Path) -> Non
         assert view.snapshot.servers == {}
         shutil.copytree(CONFIG, directory)
         await wait_for(lambda: len(view.snapshot.servers) == 1)
+
+
+# --------------------------------------------------------------------------- age and halves
+
+
+class StepClock:
+    """A wall clock that moves one second per reading, so every reading has its own age."""
+
+    def __init__(self) -> None:
+        self.now = datetime(2025, 1, 1, tzinfo=UTC)
+
+    def __call__(self) -> datetime:
+        self.now += timedelta(seconds=1)
+        return self.now
+
+
+def routed(view: ClusterView, model: str = "llama") -> str:
+    return view.snapshot.routes_by_model[model].meta.name
+
+
+def test_a_younger_route_never_takes_a_model_name(tmp_path: Path) -> None:
+    reader = DirectoryReader(tmp_path, now=StepClock())
+    view = ClusterView()
+    write(tmp_path / "a.yaml", ROUTE.replace("name: llama\n", "name: zz-first\n"))
+    apply_result(view, reader.load())
+    assert routed(view) == "zz-first"
+
+    # A second route for the same model, whose name sorts first, appears later: the
+    # first one keeps the traffic (it is older), and the newcomer is listed as shadowed.
+    write(tmp_path / "b.yaml", ROUTE.replace("name: llama\n", "name: aa-later\n"))
+    apply_result(view, reader.load())
+    assert routed(view) == "zz-first"
+    assert [(s.route.meta.name, s.winner.meta.name) for s in view.snapshot.shadowed] == [
+        ("aa-later", "zz-first")
+    ]
+    # Its age survives an edit of its file and a move to another file.
+    write(tmp_path / "a.yaml", ROUTE.replace("name: llama\n", "name: zz-first\n")
+          .replace("  - name: default", "  - name: edited"))
+    apply_result(view, reader.load())
+    assert routed(view) == "zz-first"
+    (tmp_path / "a.yaml").rename(tmp_path / "c.yaml")
+    apply_result(view, reader.load())
+    assert routed(view) == "zz-first"
+
+    # Gone and back: a new object, now younger than the other one.
+    (tmp_path / "c.yaml").unlink()
+    apply_result(view, reader.load())
+    assert routed(view) == "aa-later" and view.snapshot.shadowed == ()
+    write(tmp_path / "c.yaml", ROUTE.replace("name: llama\n", "name: zz-first\n"))
+    apply_result(view, reader.load())
+    assert routed(view) == "aa-later"
+
+    # A creationTimestamp written in the YAML is the object's age.
+    write(tmp_path / "d.yaml", ROUTE.replace(
+        "name: llama\n", "name: kept\n  creationTimestamp: 2020-01-01T00:00:00Z\n", 1))
+    apply_result(view, reader.load())
+    assert routed(view) == "kept"
+
+
+def test_objects_read_together_share_an_age_and_tie_on_name(tmp_path: Path) -> None:
+    write(tmp_path / "a.yaml", ROUTE.replace("name: llama\n", "name: b\n"))
+    write(tmp_path / "b.yaml", ROUTE.replace("name: llama\n", "name: a\n"))
+    view = ClusterView()
+    load_directory(tmp_path, view)
+    assert routed(view) == "a"
+
+
+PODS_3 = pod_yaml("p1", "10.0.0.1") + "---\n" + pod_yaml("p2", "10.0.0.2") + "---\n" + pod_yaml(
+    "p3", "10.0.0.3")
+
+
+def test_a_file_cut_mid_write_keeps_its_whole_last_reading(tmp_path: Path) -> None:
+    reader = DirectoryReader(tmp_path)
+    write(tmp_path / "s.yaml", SERVER)
+    write(tmp_path / "pods.yaml", PODS_3)
+    view = ClusterView()
+    apply_result(view, reader.load())
+    assert pods_of(view.snapshot) == ["p1", "p2", "p3"]
+
+    # Cut inside the first pod's IP: valid YAML, one invalid Pod, two pods missing.
+    (tmp_path / "pods.yaml").write_text(PODS_3[: PODS_3.index("10.0.0.1") + 5])
+    result = reader.poll()
+    assert result is not None
+    apply_result(view, result)
+    assert pods_of(view.snapshot) == ["p1", "p2", "p3"]
+    assert result.file_errors == [(tmp_path / "pods.yaml", "invalid")] and result.held == 1
+    assert "not an IP address" in view.recent_invalid[-1].reason
+
+    # Cut so that the YAML does not parse: the same.
+    (tmp_path / "pods.yaml").write_text(PODS_3[: PODS_3.index("conditions") + 13] + "[x")
+    result = reader.poll()
+    assert result is not None and result.file_errors == [(tmp_path / "pods.yaml", "yaml")]
+    apply_result(view, result)
+    assert pods_of(view.snapshot) == ["p1", "p2", "p3"]
+
+    # The complete write is applied as it is, and nothing is held any more.
+    write(tmp_path / "pods.yaml", pod_yaml("p2", "10.0.0.2"))
+    result = reader.poll()
+    assert result is not None and result.file_errors == [] and result.held == 0
+    apply_result(view, result)
+    assert pods_of(view.snapshot) == ["p2"]
+
+
+def test_a_new_file_with_an_invalid_document_serves_its_valid_ones(tmp_path: Path) -> None:
+    write(tmp_path / "s.yaml", SERVER)
+    write(tmp_path / "pods.yaml", pod_yaml("p1", "10.0.0.1") + "---\n" + pod_yaml("p2", "10.0."))
+    view = ClusterView()
+    result = load_directory(tmp_path, view)
+    assert pods_of(view.snapshot) == ["p1"]
+    assert result.file_errors == [(tmp_path / "pods.yaml", "invalid")] and result.held == 0
+
+
+async def test_file_errors_are_counted_once_per_version(tmp_path: Path) -> None:
+    registry = CollectorRegistry()
+    write(tmp_path / "s.yaml", SERVER)
+    write(tmp_path / "pods.yaml", PODS_3)
+    view = ClusterView()
+    source = FileSource(tmp_path, poll_interval=0.02, registry=registry)
+
+    def errors(reason: str) -> float:
+        value = registry.get_sample_value("pdgate_config_file_errors_total", {"reason": reason})
+        return value or 0.0
+
+    async with running(source, view):
+        (tmp_path / "pods.yaml").write_text(PODS_3.replace("10.0.0.2", "10.0."))
+        await wait_for(lambda: errors("invalid") == 1)
+        await asyncio.sleep(0.1)  # polled again meanwhile: the same version, not recounted
+        assert errors("invalid") == 1 and errors("yaml") == 0
+        assert registry.get_sample_value("pdgate_config_files_held") == 1
+        assert pods_of(view.snapshot) == ["p1", "p2", "p3"]
+        write(tmp_path / "pods.yaml", PODS_3)
+        await wait_for(lambda: registry.get_sample_value("pdgate_config_files_held") == 0)

@@ -13,9 +13,11 @@ from router.resilience import Resilience
 from router.resilience.admission import Admission
 from router.resilience.config import ResilienceConfig
 from router.resilience.drain import Drain
-from router.resilience.ejection import OutlierDetector
+from router.resilience.ejection import OutlierDetector, without_ejected
 from router.resilience.health import HealthChecker
-from router.view import ClusterView, Endpoint
+from router.resilience.retry_budget import RetryBudget
+from router.resources import ModelServer, ObjectMeta, PDGroup
+from router.view import ClusterView, Endpoint, PDGroupPods, ServerPods
 
 
 class Clock:
@@ -296,3 +298,58 @@ def test_fault_spec_merges_onto_a_base() -> None:
     base = FaultSpec(error_rate=0.1, seed=4)
     assert spec_from_json({"drop_rate": 1}, base) == FaultSpec(error_rate=0.1, seed=4,
                                                                drop_rate=1.0)
+
+
+# --- retries: ejected pods and the budget ------------------------------------------------
+
+
+def _server(pd: bool) -> ServerPods:
+    ms = ModelServer(
+        meta=ObjectMeta(name="ms"), model=None, inference_engine="vLLM",
+        match_labels={"app": "x"},
+        pd_group=PDGroup("g", {"role": "p"}, {"role": "d"}) if pd else None, port=8000,
+    )
+    if not pd:
+        return ServerPods(ms, aggregated=(pod("a", "both"), pod("b", "both")))
+    groups = tuple(
+        PDGroupPods(g, (pod(f"{g}-p", "prefill"),), (pod(f"{g}-d1"), pod(f"{g}-d2")))
+        for g in ("g0", "g1")
+    )
+    return ServerPods(ms, groups=groups)
+
+
+def test_without_ejected_leaves_retries_only_whole_pairs_of_healthy_pods() -> None:
+    agg = _server(pd=False)
+    assert without_ejected(agg, set()) is agg
+    assert without_ejected(agg, {"default/zz"}) is agg
+    left = without_ejected(agg, {"default/a"})
+    assert left is not None and [p.pod_name for p in left.aggregated] == ["b"]
+    assert without_ejected(agg, {"default/a", "default/b"}) is None
+
+    pd = _server(pd=True)
+    left = without_ejected(pd, {"default/g0-p", "default/g1-d1"})
+    assert left is not None and left.server is pd.server
+    assert [(g.group, [p.pod_name for p in g.decode]) for g in left.groups] == [
+        ("g1", ["g1-d2"])
+    ]
+    assert without_ejected(pd, {"default/g0-p", "default/g1-p"}) is None
+
+
+def test_retry_budget_is_a_share_of_requests_with_a_floor() -> None:
+    registry = CollectorRegistry()
+    budget = RetryBudget(budget_percent=20, min_retry_concurrency=2, registry=registry)
+    assert budget.try_acquire() and budget.try_acquire()
+    assert not budget.try_acquire()  # idle router: the floor, 2
+    budget.requests = 20  # 20 % of 20 requests in flight: 4 retries
+    assert budget.try_acquire() and budget.try_acquire()
+    assert not budget.try_acquire()
+    for _ in range(4):
+        budget.release()
+    assert budget.retries == 0 and budget.try_acquire()
+    budget.refuse("ejected")
+    assert registry.get_sample_value("pdgate_retries_refused_total", {"reason": "budget"}) == 2
+    assert registry.get_sample_value("pdgate_retries_refused_total", {"reason": "ejected"}) == 1
+    with pytest.raises(ValueError):
+        RetryBudget(budget_percent=120)
+    with pytest.raises(ValueError):
+        ResilienceConfig(retry_min_concurrency=-1)

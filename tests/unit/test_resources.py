@@ -498,6 +498,8 @@ def test_model_server_errors(case: str, mutate: Mutation, reason: str) -> None:
 POD_ERRORS: list[tuple[str, Mutation, str]] = [
     ("api version", _set("apiVersion", "apps/v1"), "apiVersion"),
     ("ip type", _set("status.podIP", 10), "status.podIP: must be a string"),
+    ("ip cut short", _set("status.podIP", "10.0."), "status.podIP: not an IP address"),
+    ("ip host name", _set("status.podIP", "pod.local"), "status.podIP: not an IP address"),
     ("status type", _set("status", "Running"), "status: must be an object"),
 ]
 

@@ -218,6 +218,24 @@ def test_lora_adapters_map_to_route_and_model_name_wins() -> None:
     assert snap.model_names() == ["base", "sql"]
 
 
+def test_losers_of_a_name_are_listed_with_their_winner() -> None:
+    snap = build_snapshot(
+        routes=[
+            route("young", created="2024-06-01T00:00:00Z"),
+            route("old", created="2024-01-01T00:00:00Z"),
+            route("lora", model=None, lora=("m", "own"), created="2023-01-01T00:00:00Z"),
+            route("self", model="s", lora=("s",), created="2024-01-01T00:00:00Z"),
+        ],
+        servers=[],
+        pods=[],
+    )
+    lost = sorted((s.route.meta.name, s.model, s.winner.meta.name) for s in snap.shadowed)
+    # The older LoRA route loses "m" to a modelName (Kthena looks modelNames up first);
+    # a route claiming its own modelName as an adapter shadows nothing.
+    assert lost == [("lora", "m", "old"), ("young", "m", "old")]
+    assert snap.routes_by_model["own"].meta.name == "lora"
+
+
 # --------------------------------------------------------------------------- servers
 
 

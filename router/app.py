@@ -65,6 +65,8 @@ class PDGateApp:
         separate_ops = state.config.security.admin_port is not None
         self.control = build_control_plane(state, ops=not separate_ops)
         self.ops = build_ops_app(state, self.control) if separate_ops else None
+        keyed = state.security.api_keys is not None and not separate_ops
+        self._keyed_paths = KEYED_CONTROL_PATHS if keyed else frozenset()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -80,7 +82,7 @@ class PDGateApp:
                     headers = read_headers(
                         scope["headers"], limits.max_headers, limits.max_header_bytes
                     )
-                    if keys is not None and scope["path"] in KEYED_CONTROL_PATHS:
+                    if keys is not None and scope["path"] in self._keyed_paths:
                         keys.check(headers.get("authorization"))
                 except APIError as exc:
                     await Responder(send).error(exc)

@@ -170,9 +170,10 @@ def _reliability_configs(
 
 def _serve(args: argparse.Namespace) -> int:
     from router.app import PDGateApp
-    from router.http import Edge
+    from router.http import FD_RESERVE, Edge, ensure_fd_limit
     from router.resilience.runner import DrainingRunner
     from router.state import AppState, RouterConfig
+    from router.upstream import MAX_CONNECTIONS as UPSTREAM_MAX_CONNECTIONS
 
     try:
         resilience, security = _reliability_configs(args)
@@ -200,6 +201,8 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"pdgate serve: {exc}", file=sys.stderr)
         return 2
     app = PDGateApp(state)
+    listeners = 1 if args.admin_port is None else 2
+    ensure_fd_limit(edge.max_connections * listeners + UPSTREAM_MAX_CONNECTIONS + FD_RESERVE)
     return DrainingRunner(
         app,
         app.ops,

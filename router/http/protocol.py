@@ -175,7 +175,8 @@ class EdgeProtocol(HttpToolsProtocol):
         if self._priming:
             return
         self._in_head = False
-        self._disarm()
+        if self._timer is not None:
+            self._disarm()
         if self.parser.should_upgrade():
             self._upgrade_skipped_body = True  # see `_read_body_as_body`
         super().on_headers_complete()
@@ -188,7 +189,8 @@ class EdgeProtocol(HttpToolsProtocol):
         self._in_head = True
         self._head_started = False
         self._head_bytes = 0
-        self._disarm()
+        if self._timer is not None:
+            self._disarm()
         super().on_message_complete()
 
     # --- timers -------------------------------------------------------------------------

@@ -8,7 +8,9 @@ cancels prefill and decode upstream and releases the in-flight counters.
 
 Before the body is read a data request passes the drain check, the header limits and the
 API key; after parsing, admission control (when bounded). With an admin port, `/metrics`,
-`/healthz` and `/readyz` move to a FastAPI app of their own (`build_ops_app`).
+`/healthz`, `/readyz` and the API's documents (`/docs`, `/redoc`, `/openapi.json`) move to
+a FastAPI app of their own (`build_ops_app`); without one, the documents and `/metrics`
+need the API key when keys are set (`KEYED_CONTROL_PATHS`), and the probes stay open.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -46,6 +49,11 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 DATA_PATHS = frozenset((CHAT_PATH, COMPLETIONS_PATH))
+#: Control-plane paths that need the API key when keys are set (`/v1/models` checks it
+#: itself): what the API looks like and how it is loaded is the clients' business only.
+#: The probes (`/healthz`, `/readyz`) stay open for the kubelet.
+DOC_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
+KEYED_CONTROL_PATHS = frozenset((*DOC_PATHS, "/metrics"))
 CLIENT_CLOSED = 499  # nginx's code for "client closed the request", for metrics only
 
 
@@ -56,7 +64,9 @@ class PDGateApp:
         self.state = state
         separate_ops = state.config.security.admin_port is not None
         self.control = build_control_plane(state, ops=not separate_ops)
-        self.ops = build_ops_app(state) if separate_ops else None
+        self.ops = build_ops_app(state, self.control) if separate_ops else None
+        keyed = state.security.api_keys is not None and not separate_ops
+        self._keyed_paths = KEYED_CONTROL_PATHS if keyed else frozenset()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -67,8 +77,13 @@ class PDGateApp:
         else:
             if kind == "http":
                 limits = self.state.security.config
+                keys = self.state.security.api_keys
                 try:
-                    read_headers(scope["headers"], limits.max_headers, limits.max_header_bytes)
+                    headers = read_headers(
+                        scope["headers"], limits.max_headers, limits.max_header_bytes
+                    )
+                    if keys is not None and scope["path"] in self._keyed_paths:
+                        keys.check(headers.get("authorization"))
                 except APIError as exc:
                     await Responder(send).error(exc)
                     return
@@ -200,12 +215,15 @@ async def _until_disconnect(work: Awaitable[None], receive: Receive, out: Respon
 
 
 def build_control_plane(state: AppState, ops: bool = True) -> FastAPI:
-    """Models, health, readiness and metrics: cheap endpoints, framework welcome.
+    """Models, health, readiness, metrics and the API's documents: cheap endpoints,
+    framework welcome. With `ops=False` (an admin port) the last four live elsewhere.
 
     The OpenAPI document also describes the data-path endpoints (served by `PDGateApp`
     before FastAPI sees them), so API tooling and schemathesis see the whole API.
     """
-    app = FastAPI(title="pdgate", version="0.1.0")
+    docs: dict[str, Any] = {} if ops else {"openapi_url": None, "docs_url": None,
+                                           "redoc_url": None}
+    app = FastAPI(title="pdgate", version="0.1.0", **docs)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> Response:
@@ -246,11 +264,25 @@ def build_control_plane(state: AppState, ops: bool = True) -> FastAPI:
     return app
 
 
-def build_ops_app(state: AppState) -> FastAPI:
-    """The admin port's app: metrics and probes only, apart from client traffic."""
+def build_ops_app(state: AppState, api: FastAPI) -> FastAPI:
+    """The admin port's app: metrics, probes and the documents of `api`, apart from
+    client traffic (the admin port is not to be exposed, so none of it asks for a key)."""
     app = FastAPI(title="pdgate-admin", version="0.1.0", openapi_url=None, docs_url=None,
                   redoc_url=None)
     add_ops_routes(app, state)
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi() -> JSONResponse:
+        return JSONResponse(api.openapi())
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs() -> Response:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{api.title} - docs")
+
+    @app.get("/redoc", include_in_schema=False)
+    async def redoc() -> Response:
+        return get_redoc_html(openapi_url="/openapi.json", title=f"{api.title} - ReDoc")
+
     return app
 
 

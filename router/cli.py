@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from router.http.config import EdgeConfig
     from router.resilience.config import ResilienceConfig
     from router.security.config import SecurityConfig
 
@@ -37,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--port", type=int, default=DEFAULT_PORT)
     serve.add_argument("--log-level", default="info")
     _add_reliability_flags(serve)
+    _add_connection_flags(serve)
 
     for name, text in (("up", "run a local simulated cluster"), ("demo", "send the example")):
         command = commands.add_parser(name, help=text)
@@ -109,6 +111,35 @@ def _add_reliability_flags(serve: argparse.ArgumentParser) -> None:
     add("--max-headers", type=int, default=s.max_headers)
 
 
+def _add_connection_flags(serve: argparse.ArgumentParser) -> None:
+    """Flags of `router.http` (the HTTP edge; defaults and their reasons in its config)."""
+    from router.http.config import EdgeConfig
+
+    e = EdgeConfig()
+    group = serve.add_argument_group("client connections")
+    add = group.add_argument
+    add("--header-timeout", type=float, default=e.header_timeout_s,
+        help="seconds a client gets to send a request's head (then 408, closed)")
+    add("--body-timeout", type=float, default=e.body_timeout_s,
+        help="seconds a client gets to send a whole request body (then 408, closed)")
+    add("--idle-timeout", type=float, default=e.idle_timeout_s,
+        help="seconds an idle keep-alive connection stays open")
+    add("--max-connections", type=int, default=e.max_connections,
+        help="open client connections per listener (beyond: 503, closed)")
+
+
+def _edge_config(args: argparse.Namespace, security: SecurityConfig) -> EdgeConfig:
+    from router.http.config import EdgeConfig, head_bytes_bound
+
+    return EdgeConfig(
+        header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout,
+        idle_timeout_s=args.idle_timeout,
+        max_connections=args.max_connections,
+        max_head_bytes=head_bytes_bound(security.max_header_bytes, security.max_headers),
+    )
+
+
 def _reliability_configs(
     args: argparse.Namespace,
 ) -> tuple[ResilienceConfig, SecurityConfig]:
@@ -145,11 +176,14 @@ def _reliability_configs(
 
 def _serve(args: argparse.Namespace) -> int:
     from router.app import PDGateApp
+    from router.http import FD_RESERVE, Edge, ensure_fd_limit
     from router.resilience.runner import DrainingRunner
     from router.state import AppState, RouterConfig
+    from router.upstream import MAX_CONNECTIONS as UPSTREAM_MAX_CONNECTIONS
 
     try:
         resilience, security = _reliability_configs(args)
+        edge = _edge_config(args, security)
     except ValueError as exc:
         print(f"pdgate serve: {exc}", file=sys.stderr)
         return 2
@@ -173,6 +207,8 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"pdgate serve: {exc}", file=sys.stderr)
         return 2
     app = PDGateApp(state)
+    listeners = 1 if args.admin_port is None else 2
+    ensure_fd_limit(edge.max_connections * listeners + UPSTREAM_MAX_CONNECTIONS + FD_RESERVE)
     return DrainingRunner(
         app,
         app.ops,
@@ -182,6 +218,7 @@ def _serve(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         drain=state.resilience.drain,
         config=config.resilience,
+        edge=Edge(edge, state.registry),
     ).run()
 
 

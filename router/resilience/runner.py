@@ -6,6 +6,7 @@ the first SIGTERM or SIGINT starts a drain (see `drain.py`): the port stays open
 answers `/readyz` 503, data requests already in flight finish within the grace period,
 then every server stops. A second signal stops at once. An optional second server on
 `admin_port` serves the operational endpoints (metrics, health) apart from client traffic.
+Both listen through the HTTP edge's protocol (`router.http`: timeouts, connection cap).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 import uvicorn
 
+from router.http import Edge
 from router.resilience.config import ResilienceConfig
 from router.resilience.drain import Drain
 
@@ -51,17 +53,21 @@ class DrainingRunner:
         log_level: str,
         drain: Drain,
         config: ResilienceConfig,
+        edge: Edge,
     ) -> None:
         common: dict[str, Any] = {
-            "host": host, "loop": "uvloop", "http": "httptools", "log_level": log_level,
+            "host": host, "loop": "uvloop", "log_level": log_level,
             "access_log": False, "timeout_graceful_shutdown": SHUTDOWN_SLACK_S,
         }
-        self.main = _Server(uvicorn.Config(app, port=port, lifespan="on", **common))
+        self.main = _Server(uvicorn.Config(app, port=port, lifespan="on",
+                                           **edge.options("api"), **common))
+        edge.count_open("api", self.main.server_state.connections)
         self.servers = [self.main]
         if admin_app is not None and admin_port is not None:
-            self.servers.append(
-                _Server(uvicorn.Config(admin_app, port=admin_port, lifespan="off", **common))
-            )
+            admin = _Server(uvicorn.Config(admin_app, port=admin_port, lifespan="off",
+                                           **edge.options("admin"), **common))
+            edge.count_open("admin", admin.server_state.connections)
+            self.servers.append(admin)
         self.drain = drain
         self.config = config
         self._drain_task: asyncio.Task[None] | None = None

@@ -112,8 +112,11 @@ class Router:
     def ops_url(self) -> str:
         return f"http://127.0.0.1:{self.admin_port or self.port}"
 
-    def metrics(self) -> str:
-        with urllib.request.urlopen(f"{self.ops_url}/metrics", timeout=5) as response:
+    def metrics(self, key: str | None = None) -> str:
+        """`/metrics` (on the API port without an admin port: send `key` if keys are set)."""
+        request = urllib.request.Request(
+            f"{self.ops_url}/metrics", headers={"authorization": f"Bearer {key}"} if key else {})
+        with urllib.request.urlopen(request, timeout=5) as response:
             return str(response.read().decode())
 
     def pid(self) -> int:

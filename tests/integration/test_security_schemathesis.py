@@ -53,7 +53,8 @@ def schema_router(mooncake_master: object, tmp_path_factory: pytest.TempPathFact
 def test_no_input_gets_a_5xx(schema_router: Router) -> None:
     """Positive and negative cases for every operation (schemathesis' pytest plugin does
     not run under pytest 9, so its strategies are driven with hypothesis directly)."""
-    api = schemathesis.openapi.from_url(f"{schema_router.url}/openapi.json")
+    api = schemathesis.openapi.from_url(f"{schema_router.url}/openapi.json",
+                                        headers={"authorization": f"Bearer {KEY}"})
     modes = (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE)
     operations = [result.ok() for result in api.get_all_operations()]
     assert {op.path for op in operations} >= {"/v1/chat/completions", "/v1/completions"}

@@ -1,0 +1,276 @@
+"""The connection layer: uvicorn's httptools protocol with the bounds a gateway needs.
+
+uvicorn's `HttpToolsProtocol` parses and runs the ASGI app; this subclass adds, per
+connection and never per chunk:
+
+- **One request is one request.** httptools tells llhttp that any request carrying
+  `Connection: upgrade` + `Upgrade: ...` has no body, then resumes parsing after it: the
+  body of a `POST` with `Upgrade: h2c` became a second request when it arrived after the
+  head (request smuggling, uvicorn#2722 / httptools#124), or was dropped when it came in
+  the same packet. The router upgrades to nothing (no WebSocket, no h2c), so when the
+  parser stops at an upgrade the rest of the connection goes to a fresh parser primed
+  with the request's own framing (`Content-Length` or chunked): the body is read as the
+  body, and the answer is plain HTTP/1.1.
+- **A bounded head.** Bytes received before a head ends are counted; past
+  `max_head_bytes` the client gets a 431 and the connection is closed (counted per read,
+  so at most one read, 256 KiB, beyond the bound is ever buffered).
+- **Read timeouts.** The head must arrive within `header_timeout_s` (from accept, or from
+  its first byte on a kept-alive connection), the body within `body_timeout_s` of the
+  head; then 408 and close. Between requests uvicorn's keep-alive timer closes a
+  connection idle for `idle_timeout_s`. The timers run only while a read is incomplete:
+  a request that arrives in one read arms none.
+- **A connection cap.** Past `max_connections` open connections on a listener a new one
+  gets a 503 with `Retry-After` and is closed at once.
+- **HTTP/1.0.** A 1.0 client cannot read chunked encoding: an answer without a
+  Content-Length is sent close-delimited (`connection: close`, the close ends it).
+
+Refusals and timeouts are counted in `pdgate_connections_refused_total{listener,reason}`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, ClassVar
+
+import httptools
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+
+from router.errors import APIError
+from router.http.config import EdgeConfig
+from router.http.metrics import ListenerMetrics
+from router.security.limits import headers_too_large
+
+#: The head a fresh parser is primed with when an upgrade request's body must be read:
+#: a request line, then the request's own framing headers (see `_read_body_as_body`).
+_PRIMER = b"POST / HTTP/1.1\r\n"
+_FRAMING = (b"content-length", b"transfer-encoding")
+
+
+def _answer(error: APIError) -> bytes:
+    """A complete HTTP/1.1 error answer that closes the connection."""
+    body = error.body()
+    lines = [
+        b"HTTP/1.1 %d %s" % (error.status, _REASONS[error.status]),
+        b"content-type: application/json",
+        b"content-length: %d" % len(body),
+        b"connection: close",
+        *(b"%s: %s" % (k.encode(), v.encode()) for k, v in error.headers.items()),
+    ]
+    return b"\r\n".join(lines) + b"\r\n\r\n" + body
+
+
+_REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large",
+            503: b"Service Unavailable"}
+_TOO_MANY_CONNECTIONS = _answer(APIError(
+    503, "The router has too many open connections; retry shortly.",
+    type="server_error", code="too_many_connections", headers={"retry-after": "1"},
+))
+_HEADER_TIMEOUT = _answer(APIError(
+    408, "The request head did not arrive in time.", code="request_timeout"))
+_BODY_TIMEOUT = _answer(APIError(
+    408, "The request body did not arrive in time.", code="request_timeout"))
+
+
+class EdgeProtocol(HttpToolsProtocol):
+    """One client connection (see the module docstring). Made by `protocol_class`."""
+
+    edge: ClassVar[EdgeConfig]
+    metrics: ClassVar[ListenerMetrics]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._in_head = True  # waiting for the end of a request head
+        self._head_started = False  # a byte of that head has arrived
+        self._head_bytes = 0  # bytes received since it began (counted per read)
+        self._upgrade_skipped_body = False  # the parser took an upgrade to have no body
+        self._priming = False  # a fresh parser is reading our primer head
+        self._timer: asyncio.TimerHandle | None = None
+
+    # --- connection ---------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        if len(self.connections) >= self.edge.max_connections:
+            self.transport = transport
+            self.metrics.refused("max_connections")
+            transport.write(_TOO_MANY_CONNECTIONS)
+            transport.close()
+            return
+        super().connection_made(transport)
+        self._arm("header_timeout", self.edge.header_timeout_s)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _should_upgrade(self) -> bool:
+        return False  # no WebSocket, no h2c: every request is answered in HTTP/1.1
+
+    def data_received(self, data: bytes) -> None:
+        if self.parser is None or self.transport.is_closing():
+            return  # refused or closed: nothing more is read
+        self._unset_keepalive_if_required()
+        size = len(data)
+        while True:
+            try:
+                self.parser.feed_data(data)
+            except httptools.HttpParserUpgrade as upgrade:
+                if not self._upgrade_skipped_body:
+                    self._bad_request()
+                    return
+                data = data[upgrade.args[0]:]
+                self._read_body_as_body()
+                if data:
+                    continue
+            except httptools.HttpParserError:
+                self._bad_request()
+                return
+            break
+        if self.transport.is_closing():
+            return
+        if self._in_head:
+            if self._head_started:
+                self._head_bytes += size
+                if self._head_bytes > self.edge.max_head_bytes:
+                    self._refuse("header_too_large", _answer(headers_too_large(
+                        f"Request head exceeds {self.edge.max_head_bytes} bytes.")))
+                    return
+                if self._timer is None:
+                    self._arm("header_timeout", self.edge.header_timeout_s)
+        elif self._timer is None:
+            self._arm("body_timeout", self.edge.body_timeout_s)
+
+    def _bad_request(self) -> None:
+        message = "Invalid HTTP request received."
+        self.logger.warning(message)
+        self.send_400_response(message)
+
+    def _read_body_as_body(self) -> None:
+        """Hand the connection to a fresh parser that reads the upgrade request's body.
+
+        The new parser first reads a primer head carrying only the request's framing
+        headers (`on_headers_complete` ignores it), so what follows is parsed as this
+        request's body, then as the next request, as on any connection.
+        """
+        self._upgrade_skipped_body = False
+        primer = [_PRIMER]
+        for name, value in self.headers:
+            if name in _FRAMING:
+                primer += (name, b": ", value, b"\r\n")
+        primer.append(b"\r\n")
+        self.parser = httptools.HttpRequestParser(self)
+        self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
+        self._priming = True
+        try:
+            self.parser.feed_data(b"".join(primer))
+        finally:
+            self._priming = False
+
+    # --- parser callbacks ---------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self._head_started = True
+        super().on_message_begin()
+
+    def on_headers_complete(self) -> None:
+        if self._priming:
+            return
+        self._in_head = False
+        if self._timer is not None:
+            self._disarm()
+        if self.parser.should_upgrade():
+            self._upgrade_skipped_body = True  # see `_read_body_as_body`
+        super().on_headers_complete()
+        if self.scope["http_version"] == "1.0" and self.cycle.scope is self.scope:
+            self.cycle.__class__ = Http10Cycle  # before its task first runs
+
+    def on_message_complete(self) -> None:
+        if self._upgrade_skipped_body:
+            return  # not the end: the body is still to come (see `_read_body_as_body`)
+        self._in_head = True
+        self._head_started = False
+        self._head_bytes = 0
+        if self._timer is not None:
+            self._disarm()
+        super().on_message_complete()
+
+    # --- timers -------------------------------------------------------------------------
+
+    def _arm(self, reason: str, seconds: float) -> None:
+        self._disarm()
+        self._timer = self.loop.call_later(seconds, self._timed_out, reason, seconds)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _timed_out(self, reason: str, seconds: float) -> None:
+        self._timer = None
+        if self.transport.is_closing():
+            return
+        busy = self.cycle is not None and not self.cycle.response_complete
+        if (reason == "header_timeout" and busy) or (
+            reason == "body_timeout" and self.flow.read_paused
+        ):
+            # A pipelined head waits behind a response, or the app has not read the body
+            # yet: the client is not the one keeping the connection.
+            self._arm(reason, seconds)
+            return
+        if reason == "header_timeout":
+            answer = _HEADER_TIMEOUT if self._head_started else b""  # silent if it said nothing
+        else:
+            answer = b"" if self.cycle.response_started else _BODY_TIMEOUT
+        self._refuse(reason, answer)
+
+    def _refuse(self, reason: str, answer: bytes) -> None:
+        self.metrics.refused(reason)
+        self._disarm()
+        if answer:
+            self.transport.write(answer)
+        self.transport.close()
+
+
+class Http10Cycle(RequestResponseCycle):
+    """An HTTP/1.0 request's cycle: no chunked encoding, the close ends the body.
+
+    uvicorn adds `transfer-encoding: chunked` to any answer without a Content-Length,
+    whatever the request's version. Here such an answer is sent as is and the connection
+    closed after it (uvicorn already marks 1.0 connections not to be kept alive).
+    """
+
+    close_delimited = False
+
+    async def send(self, message: Any) -> None:
+        if message["type"] == "http.response.start" and not self.response_started:
+            headers = list(message.get("headers", ()))
+            if not any(name.lower() == b"content-length" for name, _ in headers):
+                self.close_delimited = True
+                self.chunked_encoding = False  # uvicorn then adds no transfer-encoding
+                message = {**message, "headers": [
+                    (name, value) for name, value in headers
+                    if name.lower() != b"transfer-encoding"
+                ]}
+        elif (self.close_delimited and message["type"] == "http.response.body"
+              and not self.response_complete):
+            await self._send_close_delimited(message)
+            return
+        await super().send(message)
+
+    async def _send_close_delimited(self, message: Any) -> None:
+        if self.flow.write_paused and not self.disconnected:
+            await self.flow.drain()
+        if self.disconnected:
+            return
+        body = message.get("body", b"")
+        if body and self.scope["method"] != "HEAD":
+            self.transport.write(body)
+        if not message.get("more_body", False):
+            self.response_complete = True
+            self.message_event.set()
+            self.transport.close()
+            self.on_response()
+
+
+def protocol_class(edge: EdgeConfig, metrics: ListenerMetrics) -> type[EdgeProtocol]:
+    """An `EdgeProtocol` bound to one listener's bounds and metrics, for uvicorn's `http`."""
+    return type("BoundEdgeProtocol", (EdgeProtocol,), {"edge": edge, "metrics": metrics})

@@ -374,7 +374,10 @@ class Proxy:
             handoff = await attempt.connector.start(call, self.upstream)
             if handoff.prefill_task is None:
                 release_prefill()
-                self.metrics.phase_done("prefill", time.perf_counter() - started)
+                prefill_s = time.perf_counter() - started
+                self.metrics.phase_done("prefill", prefill_s)
+                if pick.on_prefill is not None:
+                    pick.on_prefill(prefill_s)  # calibrates the scheduler's TTFT model
         decode_body = parsed.body if handoff is None else handoff.decode_body
         phase = "aggregated" if pick.prefill is None else "decode"
         attempt.waiting_on = pick.decode

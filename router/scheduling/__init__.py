@@ -7,7 +7,7 @@ failed this request, so a retry lands elsewhere when it can.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -31,10 +31,15 @@ class ScheduleRequest:
 
 @dataclass(frozen=True, slots=True)
 class Pick:
-    """The pods chosen. `prefill` is None for an aggregated server."""
+    """The pods chosen. `prefill` is None for an aggregated server.
+
+    `on_prefill`: call it with the measured prefill duration (seconds, sequential PD: from
+    sending prefill to its KV handle) so that the scheduler's TTFT model calibrates.
+    """
 
     decode: Endpoint
     prefill: Endpoint | None = None
+    on_prefill: Callable[[float], None] | None = None
 
     @property
     def endpoints(self) -> tuple[Endpoint, ...]:

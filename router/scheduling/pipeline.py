@@ -46,10 +46,12 @@ from router.scheduling.context import (
     PickContext,
     PromptInfo,
     SchedulerDeps,
+    ServerCosts,
 )
 from router.scheduling.filters import FILTERS, Filter
 from router.scheduling.metrics import SchedulerMetrics
 from router.scheduling.scorers import SCORERS, Scorer
+from router.scheduling.slo import SLOGate
 from router.tokenization import ChatInputError, prompt_chars
 from router.tokenization import Endpoint as Prompt
 from router.view import Endpoint, ServerPods
@@ -98,6 +100,8 @@ class Profile:
         cost = [0.0] * n
         total_weight = 0.0
         similarity = self.similarity
+        ctx.ttft_unit = self.ttft
+        ctx.compute_tokens = ctx.pull_tokens = None
         for scorer in self.scorers:
             scores = scorer.score(ctx, cands)
             if scorer.affinity and similarity > 0 and n > 1:
@@ -163,6 +167,7 @@ class _Layout:
     keys: list[str]
     decode: list[Endpoint]
     decode_keys: list[str]
+    costs: ServerCosts
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,15 +180,28 @@ class _PrefixReport:
     precise_reach: list[int] | None
     precise_total: int
     store_factor: float
+    compute_tokens: list[float] | None
+    pull_tokens: list[float] | None
 
 
 def _take_report(ctx: PickContext) -> _PrefixReport:
     report = _PrefixReport(
         ctx.approx_depths, ctx.approx_hashes, ctx.precise_local, ctx.precise_reach,
-        ctx.precise_hashes, ctx.store_factor,
+        ctx.precise_hashes, ctx.store_factor, ctx.compute_tokens, ctx.pull_tokens,
     )
     ctx.approx_depths = ctx.precise_local = ctx.precise_reach = None
+    ctx.compute_tokens = ctx.pull_tokens = None
     return report
+
+
+@dataclass(slots=True)
+class _Decision:
+    """A pick before its bookkeeping: `commit` records it (skipped when the SLO gate
+    refuses the request, or for a dry run); `predicted` is its TTFT (ttft unit)."""
+
+    pick: Pick
+    predicted: float | None
+    commit: Callable[[], None]
 
 
 def _choose(rng_index: Callable[[int], int], costs: Sequence[float], tolerance: float) -> int:
@@ -208,6 +226,8 @@ class PipelineScheduler:
         self._clock = clock
         self._profiles = build_profiles(config, deps)
         self._layouts: dict[int, tuple[ServerPods, _Layout]] = {}
+        deps.ttft.configure(config.cost_model.seed(), config.ttft_model)
+        self._slo = SLOGate(config.slo, metrics)
 
     @property
     def config(self) -> SchedulerConfig:
@@ -228,18 +248,34 @@ class PipelineScheduler:
             decode = [p for g in server.groups for p in g.decode]
         else:
             pods, decode = list(server.aggregated), []
-        layout = _Layout(pods, [p.key for p in pods], decode, [p.key for p in decode])
+        config = self._profiles.config
+        costs = ServerCosts.of(
+            server.server, config.cost_model, config.pool_view.enabled,
+            config.pool_view.capacity_tokens, config.slo.ttft_target_s,
+        )
+        layout = _Layout(pods, [p.key for p in pods], decode, [p.key for p in decode], costs)
         self._layouts[id(server)] = (server, layout)
         return layout
 
     def set_config(self, config: SchedulerConfig) -> None:
         """Swap in new profiles (built first, so a bad config leaves the old one running)."""
         self._profiles = build_profiles(config, self.deps)
+        self._layouts.clear()  # server costs depend on the config
+        self.deps.ttft.configure(config.cost_model.seed(), config.ttft_model)
+        self._slo.config = config.slo
 
     # -- the Scheduler protocol ---------------------------------------------------------------
 
     async def prepare(self, server: ServerPods, request: ScheduleRequest) -> None:
-        """Tokenize a big prompt off the event loop when the precise scorer will need it."""
+        """Tokenize a big prompt off the event loop when the precise scorer will need it;
+        with the SLO gate's `queue` action, wait while the prediction is over target."""
+        await self._tokenize(server, request)
+        if self._slo.config.enabled:
+            await self._slo.wait(
+                self._layout(server).costs, lambda: self.predict(server, request)
+            )
+
+    async def _tokenize(self, server: ServerPods, request: ScheduleRequest) -> None:
         deps = self.deps
         pool, registry = deps.tokenize_pool, deps.tokenizers
         if (
@@ -269,7 +305,26 @@ class PipelineScheduler:
     def pick(
         self, server: ServerPods, request: ScheduleRequest, avoid: frozenset[str]
     ) -> Pick | None:
+        """Choose the pods; raises a 429 `APIError` when the SLO gate refuses (see slo.py)."""
         started = time.perf_counter()
+        decision = self._decide(server, request, avoid)
+        if decision is not None:
+            self._slo.check(self._layout(server).costs, decision.predicted)
+            decision.commit()
+        observe = self.metrics.decision_pd if server.is_pd else self.metrics.decision_aggregated
+        observe.observe(time.perf_counter() - started)
+        return None if decision is None else decision.pick
+
+    def predict(
+        self, server: ServerPods, request: ScheduleRequest, avoid: frozenset[str] = frozenset()
+    ) -> float | None:
+        """The predicted TTFT of the pods `pick` would choose now, recording nothing."""
+        decision = self._decide(server, request, avoid)
+        return None if decision is None else decision.predicted
+
+    def _decide(
+        self, server: ServerPods, request: ScheduleRequest, avoid: frozenset[str]
+    ) -> _Decision | None:
         profiles = self._profiles
         config = profiles.config
         approx = config.approximate_index
@@ -277,14 +332,13 @@ class PipelineScheduler:
             request, self.deps.hasher, approx.block_bytes, approx.max_prompt_blocks,
             approx.chars_per_token, server.server,
         )
-        ctx = PickContext(request, server, prompt, self.deps, config.cost_model, self._clock())
+        ctx = PickContext(
+            request, server, prompt, self.deps, config.cost_model, self._clock(),
+            self._layout(server).costs,
+        )
         if server.is_pd:
-            result = self._pick_pd(profiles, ctx, server, avoid)
-            self.metrics.decision_pd.observe(time.perf_counter() - started)
-        else:
-            result = self._pick_aggregated(profiles, ctx, server, avoid)
-            self.metrics.decision_aggregated.observe(time.perf_counter() - started)
-        return result
+            return self._pick_pd(profiles, ctx, server, avoid)
+        return self._pick_aggregated(profiles, ctx, server, avoid)
 
     # -- candidates ---------------------------------------------------------------------------
 
@@ -321,7 +375,7 @@ class PipelineScheduler:
 
     def _pick_aggregated(
         self, profiles: _Profiles, ctx: PickContext, server: ServerPods, avoid: frozenset[str]
-    ) -> Pick | None:
+    ) -> _Decision | None:
         if not server.aggregated:
             return None
         layout = self._layout(server)
@@ -330,15 +384,22 @@ class PipelineScheduler:
         cands = self._narrow(ctx, profile, layout.pods, layout.keys, avoid, 2)
         costs = profile.costs(ctx, cands)
         report = _take_report(ctx)
-        if profile.guard(cands, costs):
-            self.metrics.guard["aggregated"].inc()
+        guarded = profile.guard(cands, costs)
         index = _choose(self.deps.rng.randrange, costs, profile.tolerance(ctx))
-        self._dispatched(ctx, profile, cands, index, report)
-        if profile.ttft and costs[index] < GUARD_PENALTY:
-            self.metrics.predicted_aggregated.observe(
-                costs[index] + ctx.cost.prefill_overhead_s
-            )
-        return Pick(decode=cands.pods[index])
+        predicted = (
+            costs[index] + ctx.fit.predict(0.0)
+            if profile.ttft and costs[index] < GUARD_PENALTY
+            else None
+        )
+
+        def commit() -> None:
+            if guarded:
+                self.metrics.guard["aggregated"].inc()
+            self._dispatched(ctx, profile, cands, index, report)
+            if predicted is not None:
+                self.metrics.predicted_aggregated.observe(predicted)
+
+        return _Decision(Pick(decode=cands.pods[index]), predicted, commit)
 
     # -- prefill/decode pairs -----------------------------------------------------------------
 
@@ -352,7 +413,7 @@ class PipelineScheduler:
 
     def _pick_pd(
         self, profiles: _Profiles, ctx: PickContext, server: ServerPods, avoid: frozenset[str]
-    ) -> Pick | None:
+    ) -> _Decision | None:
         if not server.groups:
             return None
         layout = self._layout(server)
@@ -381,13 +442,11 @@ class PipelineScheduler:
         ctx.role = "prefill"
         pre_costs = pre_profile.costs(ctx, pre)
         report = _take_report(ctx)
-        if pre_profile.guard(pre, pre_costs):
-            self.metrics.guard["prefill"].inc()
+        pre_guarded = pre_profile.guard(pre, pre_costs)
         ctx.role = "decode"
         dec_costs = dec_profile.costs(ctx, dec)
         _take_report(ctx)
-        if dec_profile.guard(dec, dec_costs):
-            self.metrics.guard["decode"].inc()
+        dec_guarded = dec_profile.guard(dec, dec_costs)
         if level == 0:
             # Last resort: every group has an avoided or ejected pod. Still prefer the pair
             # with the fewest of them, so a retry does not walk back onto a dead pod.
@@ -423,19 +482,54 @@ class PipelineScheduler:
         pi = self._within(pre, pre_costs, group, tolerance, rng_index)
         ctx.role = "decode"
         di = self._within(dec, dec_costs, group, dec_profile.tolerance(ctx), rng_index)
-        ctx.role = "prefill"
-        self._dispatched(ctx, pre_profile, pre, pi, report)
-        ctx.role = "decode"
-        for scorer in dec_profile.scorers:
-            scorer.picked(ctx, dec, di)
-        predicted = pre_costs[pi] + weight * dec_costs[di]
-        if pre_profile.ttft and predicted < GUARD_PENALTY:
-            model = ctx.cost
-            self.metrics.predicted_pd.observe(
-                predicted + model.prefill_overhead_s
-                + ctx.prompt.token_count() * model.transfer_s_per_token
+        pair = pre_costs[pi] + weight * dec_costs[di]
+        predicted: float | None = None
+        if pre_profile.ttft and pair < GUARD_PENALTY:
+            predicted = (
+                pair + ctx.fit.predict(0.0)
+                + ctx.prompt.token_count() * ctx.cost.transfer_s_per_token
             )
-        return Pick(decode=dec.pods[di], prefill=pre.pods[pi])
+        on_prefill = self._prefill_ticket(ctx, pre, pi, report)
+
+        def commit() -> None:
+            if pre_guarded:
+                self.metrics.guard["prefill"].inc()
+            if dec_guarded:
+                self.metrics.guard["decode"].inc()
+            ctx.role = "prefill"
+            self._dispatched(ctx, pre_profile, pre, pi, report)
+            ctx.role = "decode"
+            for scorer in dec_profile.scorers:
+                scorer.picked(ctx, dec, di)
+            if predicted is not None:
+                self.metrics.predicted_pd.observe(predicted)
+
+        pick = Pick(decode=dec.pods[di], prefill=pre.pods[pi], on_prefill=on_prefill)
+        return _Decision(pick, predicted, commit)
+
+    def _prefill_ticket(
+        self, ctx: PickContext, cands: Candidates, index: int, report: _PrefixReport
+    ) -> Callable[[float], None] | None:
+        """What the proxy calls with the measured prefill duration (sequential PD): the
+        fit's sample (when the pod had nothing in flight) and the prediction error."""
+        if report.compute_tokens is None or report.pull_tokens is None:
+            return None
+        fit = ctx.fit
+        compute = report.compute_tokens[index]
+        pull_s = report.pull_tokens[index] * ctx.server_costs.pull_s_per_token
+        engine = cands.engine[index]
+        waiting = engine.waiting if engine is not None and engine.waiting else 0.0
+        ahead = cands.inflight[index] + waiting
+        predicted = fit.predict(compute) + pull_s + ahead * ctx.mean_prefill_s
+        metrics = self.metrics
+
+        def done(seconds: float) -> None:
+            fit.observe_error(predicted, seconds)
+            metrics.observe_prefill(predicted, seconds)
+            if ahead == 0:
+                fit.add_sample(compute, seconds - pull_s)
+
+        return done
 
     @staticmethod
     def _within(
@@ -487,5 +581,8 @@ class PipelineScheduler:
             # profile (after a reload) starts from, so it would spread away from its hits.
             return
         tokens = ctx.prompt.token_count()
-        uncached = tokens * (1.0 - cached) if cached is not None else float(tokens)
+        if report.compute_tokens is not None:
+            uncached = report.compute_tokens[index]
+        else:
+            uncached = tokens * (1.0 - cached) if cached is not None else float(tokens)
         self.deps.estimator.observe(uncached, ctx.cost.ewma_alpha)

@@ -1,6 +1,7 @@
 """`precise-prefix-cache`: how much of the prompt the engine itself says a pod holds.
 
-    s_p = (L_p + f x (R_p - L_p)) / B
+    ttft unit:   cost_p = min(P(T - L_p), P(T - R_p) + (R_p - L_p) x pull)  - P(0)
+    score unit:  s_p = (L_p + f x (R_p - L_p)) / B
 
 - B   = the prompt's engine blocks (`block_hash.PreciseHasher`: the engine's tokens, keyed
         in the ModelServer's key space: vLLM's block hashes or token keys, see
@@ -8,14 +9,16 @@
 - L_p = leading blocks pod p holds itself (GPU, or a local offload medium such as CPU),
         from its KV events (`PrecisePrefixIndex`);
 - R_p = leading blocks pod p holds itself OR finds in the shared store pool of the
-        ModelServer (blocks a pod published with a store medium, e.g. MOONCAKE): any
-        prefill pod can load those (Mooncake Store awareness);
-- f   = `storeHitFactor` (default 0.7, in [0, 1]): a store hit saves the prefill compute
-        but costs the transfer from the store, so it is worth less than a local hit;
+        ModelServer: blocks a pod published with a store medium (e.g. MOONCAKE), and,
+        when the ModelServer declares a pool (`pool_view.py`), the prompts the router
+        dispatched to it (engines that publish no store events are not blind);
+- T   = the prompt's tokens; L_p, R_p in tokens are blocks x the block size;
+- P, pull: the server's calibrated prefill curve and pool pull cost, as in `prefix-cache`
+        (Mooncake's Conductor: the pool pays only when pulling beats recomputing);
+- f   = `storeHitFactor` (score unit only, default 0.7, in [0, 1]);
 - B = 0: s_p = 0 for every pod.
 
-ttft scale: T x `prefill_s_per_token` (T = the prompt's tokens, exact here), so the
-weighted shortfall is the prefill time of the uncached part, store hits charged (1 - f).
+ttft scale: P(T) - P(0), so w x scale x (1 - s_p) = cost_p.
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ class PrecisePrefixCacheScorer(Scorer):
 
     def score(self, ctx: PickContext, cands: Candidates) -> list[float]:
         scope = scope_of(ctx.server)
-        hashes = ctx.prompt.precise_hashes(self.deps.precise.space(scope))
+        space = self.deps.precise.space(scope)
+        hashes = ctx.prompt.precise_hashes(space)
         total = len(hashes)
         factor: float = self.params["storeHitFactor"]
         ctx.precise_hashes = total
@@ -42,12 +46,31 @@ class PrecisePrefixCacheScorer(Scorer):
         if not total:
             zeros = [0] * len(cands)
             ctx.precise_local, ctx.precise_reach = zeros, zeros
+            ctx.compute_tokens = None
             return [0.0] * len(cands)
         local, reach = self.deps.precise.match(cands.keys, scope, hashes)
         ctx.precise_local, ctx.precise_reach = local, reach
-        return [
-            (held + factor * (both - held)) / total for held, both in zip(local, reach, strict=True)
-        ]
+        if not ctx.ttft_unit:
+            return [
+                (held + factor * (both - held)) / total
+                for held, both in zip(local, reach, strict=True)
+            ]
+        size = float(space.block_size if space is not None else self.deps.hasher.space.block_size)
+        return ctx.prefix_scores(
+            float(ctx.prompt.token_count()), [n * size for n in local], [n * size for n in reach]
+        )
 
     def scale_s(self, ctx: PickContext, cands: Candidates) -> float:
+        if ctx.compute_tokens is not None:
+            return ctx.prefix_scale_s
         return ctx.prompt.token_count() * ctx.cost.prefill_s_per_token
+
+    def picked(self, ctx: PickContext, cands: Candidates, index: int) -> None:
+        costs = ctx.server_costs
+        if not costs.pool.enabled:
+            return
+        space = self.deps.precise.space(costs.scope)
+        hashes = ctx.prompt.precise_hashes(space)
+        if hashes:
+            size = space.block_size if space is not None else self.deps.hasher.space.block_size
+            self.deps.precise.record_pool(costs.scope, hashes, costs.pool.capacity_blocks(size))

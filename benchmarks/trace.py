@@ -159,7 +159,8 @@ class BlockTexts:
         return words
 
     def prompt(self, hash_ids: Sequence[int], tokens: int) -> str:
-        """The text of a request of `tokens` tokens whose blocks are `hash_ids`."""
+        """The text of a request of `tokens` tokens whose blocks are `hash_ids`: every word
+        with its leading space, so every word is one token (the first one too)."""
         parts: list[str] = []
         left = tokens
         for hash_id in hash_ids:
@@ -168,7 +169,7 @@ class BlockTexts:
             words = self.words(hash_id)
             parts.extend(words[: min(left, self.tokens)])
             left -= self.tokens
-        return " ".join(parts)
+        return "".join(" " + word for word in parts)
 
 
 def scaled_tokens(request: TraceRequest, options: TraceOptions) -> int:

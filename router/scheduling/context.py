@@ -27,7 +27,7 @@ from router.scheduling.block_hash import (
     salt_of,
 )
 from router.scheduling.metrics_scraper import EngineLoad, EngineMetricsStore
-from router.scheduling.pool_view import PoolSettings, PoolView, pool_settings
+from router.scheduling.pool_view import PendingWrites, PoolSettings, PoolView, pool_settings
 from router.scheduling.precise_index import PrecisePrefixIndex
 from router.scheduling.ttft_model import Coefficients, FitSettings, PrefillFit, TTFTModels
 from router.tokenization import TokenizePool, TokenizerRegistry
@@ -198,6 +198,8 @@ class SchedulerDeps:
     tokenize_pool: TokenizePool | None = None  # big prompts are tokenized off the loop
     #: The dispatch-fed view of each server's shared KV pool (approximate keys).
     pools: PoolView = field(default_factory=PoolView)
+    #: Pool records waiting for their prefill's predicted end.
+    pending: PendingWrites = field(default_factory=PendingWrites)
     #: Per-server prefill curves, calibrated from measured prefill durations.
     ttft: TTFTModels = field(
         default_factory=lambda: TTFTModels(CostModel().seed(), FitSettings())
@@ -364,6 +366,7 @@ class PickContext:
         "prefix_scale_s",
         "prompt",
         "pull_tokens",
+        "ready_at",
         "request",
         "role",
         "server",
@@ -401,6 +404,8 @@ class PickContext:
         self.prefix_scale_s = 0.0
         self.compute_tokens: list[float] | None = None
         self.pull_tokens: list[float] | None = None
+        #: When the chosen prefill is predicted to end (its blocks are then in the pool).
+        self.ready_at = now
         # Filled by the prefix scorers for the candidates they scored (same order).
         self.approx_depths: list[int] | None = None
         self.approx_hashes = 0

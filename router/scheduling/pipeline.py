@@ -325,6 +325,7 @@ class PipelineScheduler:
     def _decide(
         self, server: ServerPods, request: ScheduleRequest, avoid: frozenset[str]
     ) -> _Decision | None:
+        self.deps.pending.flush(self._clock())
         profiles = self._profiles
         config = profiles.config
         approx = config.approximate_index
@@ -391,6 +392,9 @@ class PipelineScheduler:
             if profile.ttft and costs[index] < GUARD_PENALTY
             else None
         )
+
+        if predicted is not None:
+            ctx.ready_at = ctx.now + predicted
 
         def commit() -> None:
             if guarded:
@@ -490,6 +494,8 @@ class PipelineScheduler:
                 + ctx.prompt.token_count() * ctx.cost.transfer_s_per_token
             )
         on_prefill = self._prefill_ticket(ctx, pre, pi, report)
+        if pre_profile.ttft and pre_costs[pi] < GUARD_PENALTY:
+            ctx.ready_at = ctx.now + pre_costs[pi] + ctx.fit.predict(0.0)
 
         def commit() -> None:
             if pre_guarded:

@@ -10,7 +10,8 @@ Store (vLLM `MooncakeStoreConnector`, LMCache with a Mooncake backend, vllm-asce
 
 Then the router knows the pool's content from its own dispatches: the prompt of every
 request it sends to a prefill (or aggregated) pod of that server is in the pool once the
-prefill ran. No store events are needed. The record is an LRU per server bounded by the
+prefill ran (`PendingWrites`: counted from the predicted end of that prefill). No store
+events are needed. The record is an LRU per server bounded by the
 pool's capacity (in blocks of the index that keys it), as the store itself evicts least
 recently used objects once full; `MAX_POOL_BLOCKS` caps it whatever the annotation says.
 
@@ -31,8 +32,8 @@ its store pool there and `record_pool` feeds it from dispatches too). Who publis
 from __future__ import annotations
 
 import sys
-from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -44,6 +45,8 @@ POOL_KINDS: Final = frozenset({"mooncake-store", "mooncake", "store"})
 DEFAULT_POOL_CAPACITY_TOKENS: Final = 50_000_000
 #: Hard ceiling of one server's pool record, in blocks, whatever the annotation says.
 MAX_POOL_BLOCKS: Final = 1 << 21
+#: Bound of the dispatches waiting for their prefill to end before they count as pooled.
+MAX_PENDING: Final = 8192
 #: Rough bytes per pool entry (an OrderedDict node and an int key), for the memory gauge.
 _BYTES_PER_ENTRY: Final = 100
 
@@ -76,6 +79,40 @@ def pool_settings(
         except ValueError:
             pass
     return PoolSettings(enabled, capacity)
+
+
+class PendingWrites:
+    """Pool records that take effect when the prefill that writes them is predicted to end.
+
+    A prefill writes its blocks to the store as it computes them, so a request dispatched
+    right after another with the same prefix would find nothing to pull yet: counting the
+    blocks at dispatch would send it to a cold pod. Each record waits until `ready_at`
+    (dispatch time + the predicted prefill phase); `flush` applies the due ones (called at
+    every pick). Bounded by `MAX_PENDING`: beyond it the oldest is applied at once.
+    """
+
+    def __init__(self) -> None:
+        self._queue: deque[tuple[float, Callable[[], None]]] = deque()
+
+    def defer(self, ready_at: float, apply: Callable[[], None]) -> None:
+        if len(self._queue) >= MAX_PENDING:
+            self._queue.popleft()[1]()
+        self._queue.append((ready_at, apply))
+
+    def flush(self, now: float) -> None:
+        queue = self._queue
+        while queue and queue[0][0] <= now:
+            queue.popleft()[1]()
+        # Out-of-order ready times: a later dispatch may be due first; scan a few more.
+        if queue and len(queue) < 64:
+            due = [item for item in queue if item[0] <= now]
+            if due:
+                for item in due:
+                    queue.remove(item)
+                    item[1]()
+
+    def __len__(self) -> int:
+        return len(self._queue)
 
 
 class PoolView:

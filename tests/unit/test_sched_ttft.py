@@ -16,9 +16,11 @@ from router.resources import ModelServer, ObjectMeta, PDGroup
 from router.scheduling import ScheduleRequest
 from router.scheduling.config import SchedulerConfig, parse_scheduler_config
 from router.scheduling.pool_view import (
+    MAX_PENDING,
     MAX_POOL_BLOCKS,
     POOL_ANNOTATION,
     POOL_CAPACITY_ANNOTATION,
+    PendingWrites,
     PoolView,
     pool_settings,
 )
@@ -161,19 +163,51 @@ def _request(words: int = 2000, seed: int = 0) -> ScheduleRequest:
     return ScheduleRequest("m", CHAT, body, {})
 
 
-def _runtime(config: SchedulerConfig | None = None) -> tuple[SchedulerRuntime, CollectorRegistry]:
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _runtime(
+    config: SchedulerConfig | None = None, clock: Clock | None = None
+) -> tuple[SchedulerRuntime, CollectorRegistry]:
     registry = CollectorRegistry()
     rt = SchedulerRuntime(config or SchedulerConfig(), InFlight(registry), ClusterView(),
-                          registry, rng=random.Random(0))
+                          registry, rng=random.Random(0), clock=clock or Clock())
     return rt, registry
 
 
+def test_pending_writes_apply_when_due_and_stay_bounded() -> None:
+    pending = PendingWrites()
+    done: list[int] = []
+    pending.defer(2.0, lambda: done.append(2))
+    pending.defer(1.0, lambda: done.append(1))  # out of order: due first
+    pending.flush(0.5)
+    assert done == [] and len(pending) == 2
+    pending.flush(1.5)
+    assert done == [1]
+    pending.flush(2.5)
+    assert done == [1, 2] and len(pending) == 0
+    for i in range(MAX_PENDING + 1):
+        pending.defer(99.0, lambda i=i: done.append(100 + i))  # type: ignore[misc]
+    assert len(pending) == MAX_PENDING and done[-1] == 100  # the oldest applied at once
+
+
 def test_a_declared_pool_is_known_from_dispatches_without_store_events() -> None:
-    rt, _ = _runtime()
+    clock = Clock()
+    rt, _ = _runtime(clock=clock)
     server = _server({POOL_ANNOTATION: "mooncake-store"})
     req = _request()
     first = rt.scheduler.pick(server, req, frozenset())
     assert first is not None and first.prefill is not None
+    # Not in the pool before its prefill is predicted to end (the store has nothing yet).
+    rt.scheduler.pick(_server({}), _request(seed=9), frozenset())
+    assert rt.pools.total_blocks == 0
+    clock.now += 5.0
+    rt.deps.pending.flush(clock.now)
     assert rt.pools.total_blocks > 0  # the prompt is in the pool now
     # The warm pod is busy: the other one can pull the prompt from the pool instead of
     # recomputing it, so it wins, and the cost model says it computes nothing.

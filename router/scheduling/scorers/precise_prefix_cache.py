@@ -73,4 +73,8 @@ class PrecisePrefixCacheScorer(Scorer):
         hashes = ctx.prompt.precise_hashes(space)
         if hashes:
             size = space.block_size if space is not None else self.deps.hasher.space.block_size
-            self.deps.precise.record_pool(costs.scope, hashes, costs.pool.capacity_blocks(size))
+            precise, scope = self.deps.precise, costs.scope
+            blocks = costs.pool.capacity_blocks(size)
+            self.deps.pending.defer(
+                ctx.ready_at, lambda: precise.record_pool(scope, hashes, blocks)
+            )

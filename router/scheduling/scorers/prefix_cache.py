@@ -71,6 +71,6 @@ class PrefixCacheScorer(Scorer):
         pool = ctx.server_costs.pool
         if pool.enabled:
             per_block = approx.block_bytes / max(approx.chars_per_token, 1e-9)
-            self.deps.pools.record(
-                ctx.server_costs.scope, hashes, pool.capacity_blocks(per_block)
-            )
+            pools, scope = self.deps.pools, ctx.server_costs.scope
+            blocks = pool.capacity_blocks(per_block)
+            self.deps.pending.defer(ctx.ready_at, lambda: pools.record(scope, hashes, blocks))

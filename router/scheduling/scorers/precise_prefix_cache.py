@@ -15,7 +15,9 @@
 - T   = the prompt's tokens; L_p, R_p in tokens are blocks x the block size;
 - P, pull: the server's calibrated prefill curve and pool pull cost, as in `prefix-cache`
         (Mooncake's Conductor: the pool pays only when pulling beats recomputing);
-- f   = `storeHitFactor` (score unit only, default 0.7, in [0, 1]);
+- f   = `storeHitFactor` (default 0.7, in [0, 1]): score unit, the weight of a pool hit;
+        ttft unit, 0 means the engines cannot read the pool (no credit), any other value
+        lets the Conductor cost decide;
 - B = 0: s_p = 0 for every pod.
 
 ttft scale: P(T) - P(0), so w x scale x (1 - s_p) = cost_p.
@@ -56,6 +58,8 @@ class PrecisePrefixCacheScorer(Scorer):
                 for held, both in zip(local, reach, strict=True)
             ]
         size = float(space.block_size if space is not None else self.deps.hasher.space.block_size)
+        if factor == 0:
+            reach = local  # the engines cannot read the store: no pool credit at all
         return ctx.prefix_scores(
             float(ctx.prompt.token_count()), [n * size for n in local], [n * size for n in reach]
         )

@@ -13,7 +13,8 @@
 - P   = the server's prefill curve (`ttft_model.py`, calibrated from measured prefills),
         pull = seconds to load one token of KV from the pool (`ServerCosts`): Mooncake's
         Conductor cost, the pool pays only when pulling beats recomputing;
-- f   = `storeHitFactor` (score unit only, default 0.7);
+- f   = `storeHitFactor` (default 0.7): score unit, the weight of a pool hit; ttft unit,
+        0 turns the pool credit off, any other value lets the Conductor cost decide;
 - B = 0 (a prompt shorter than one block): s_p = 0 for every pod (no preference).
 
 ttft scale: P(T) - P(0), so w x scale x (1 - s_p) = cost_p.
@@ -47,9 +48,11 @@ class PrefixCacheScorer(Scorer):
         depths = self.deps.approx.match(cands.keys, hashes)
         ctx.approx_depths = depths
         costs = ctx.server_costs
-        pooled = self.deps.pools.depth(costs.scope, hashes) if costs.pool.enabled else 0
+        factor: float = self.params["storeHitFactor"]
+        pooled = (
+            self.deps.pools.depth(costs.scope, hashes) if costs.pool.enabled and factor else 0
+        )
         if not ctx.ttft_unit:
-            factor: float = self.params["storeHitFactor"]
             return [(d + factor * max(0, pooled - d)) / total for d in depths]
         tokens = float(ctx.prompt.token_count())
         per_block = tokens / total

@@ -37,7 +37,9 @@ from typing import Any, Final
 
 from benchmarks.cluster import MODEL, ClusterShape, PodSpec, SimCluster
 from benchmarks.loadgen import LoadLimits, run_at
+from benchmarks.procs import StartupError
 from benchmarks.routers import RouterSpec, RunningRouter
+from benchmarks.specs import RequestSpec
 from benchmarks.trace import DEFAULT_TRACE, TraceOptions, TraceWindow, trace_window
 
 log = logging.getLogger("benchmarks.trace")
@@ -191,47 +193,67 @@ async def replay(
     sessions = [(spec,) for spec in window.specs]
     limits = LoadLimits(time_limit=window.duration_s + 1.0,
                         request_timeout=config.request_timeout)
+    skipped: list[str] = []
+    setup["skipped"] = skipped
     for spec in specs_for(config, per_token_ms):
-        cluster = SimCluster(shape, work_dir / "logs", server_annotations=dict(POOL_ANNOTATIONS))
         try:
-            cluster.start()
-            with RunningRouter(spec, cluster, work_dir) as router:
-                log.warning("trace %s: %s", window.name, spec.name)
-                before = _engine_hits(cluster.prefill)
-                cpu0 = router.cpu_seconds()
-                load0 = os.getloadavg()[0]
-                began = time.monotonic()
-                load = await run_at(router.target, sessions, window.offsets, limits)
-                wall = time.monotonic() - began
-                cpu1 = router.cpu_seconds()
-                after = _engine_hits(cluster.prefill)
-                prediction = (
-                    _router_prediction(router.target.base_url)  # type: ignore[attr-defined]
-                    if spec.kind == "pdgate" else {}
-                )
-                load1 = os.getloadavg()[0]
-        finally:
-            cluster.stop()
-        delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-        queries = delta.get("vllm:prefix_cache_queries", 0.0)
-        runs.append(TraceRun(
-            trace=window.name, router=spec.name, requests=len(sessions),
-            ok=sum(1 for r in load.results if r.ok),
-            ttfts=[r.ttft for r in load.results if r.ok and r.ttft is not None],
-            slo_s=slo_s,
-            local_hit=delta.get("vllm:prefix_cache_hits", 0.0) / queries if queries else 0.0,
-            store_hit=(delta.get("vllm:external_prefix_cache_hits", 0.0) / queries
-                       if queries else 0.0),
-            best_hit=window.best_hit_rate,
-            router_cpu_s=None if cpu0 is None or cpu1 is None else cpu1 - cpu0,
-            peak_rss=router.peak_rss, wall_s=wall, load_before=load0, load_after=load1,
-            prediction=prediction,
-        ))  # fmt: skip
-        last = runs[-1]
+            run = await _one_router(spec, window, shape, sessions, limits, slo_s, work_dir)
+        except (StartupError, OSError) as exc:  # one router failing: go on with the next
+            first = str(exc).splitlines()[0] if str(exc) else repr(exc)
+            skipped.append(f"{spec.name}: {first}")
+            log.error("trace %s: %s failed: %s", window.name, spec.name, first)
+            continue
+        runs.append(run)
         log.warning("  p50 %.2f p90 %.2f s, hit %.1f%% + %.1f%% (best %.1f%%), ok %d/%d",
-                    last.quantile(0.5), last.quantile(0.9), 100 * last.local_hit,
-                    100 * last.store_hit, 100 * last.best_hit, last.ok, last.requests)
+                    run.quantile(0.5), run.quantile(0.9), 100 * run.local_hit,
+                    100 * run.store_hit, 100 * run.best_hit, run.ok, run.requests)
     return runs, setup
+
+
+async def _one_router(
+    spec: RouterSpec,
+    window: TraceWindow,
+    shape: ClusterShape,
+    sessions: list[tuple[RequestSpec]],
+    limits: LoadLimits,
+    slo_s: float,
+    work_dir: Path,
+) -> TraceRun:
+    cluster = SimCluster(shape, work_dir / "logs", server_annotations=dict(POOL_ANNOTATIONS))
+    try:
+        cluster.start()
+        with RunningRouter(spec, cluster, work_dir) as router:
+            log.warning("trace %s: %s", window.name, spec.name)
+            before = _engine_hits(cluster.prefill)
+            cpu0 = router.cpu_seconds()
+            load0 = os.getloadavg()[0]
+            began = time.monotonic()
+            load = await run_at(router.target, sessions, window.offsets, limits)
+            wall = time.monotonic() - began
+            cpu1 = router.cpu_seconds()
+            after = _engine_hits(cluster.prefill)
+            prediction = (
+                _router_prediction(router.target.base_url)  # type: ignore[attr-defined]
+                if spec.kind == "pdgate" else {}
+            )
+            load1 = os.getloadavg()[0]
+    finally:
+        cluster.stop()
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    queries = delta.get("vllm:prefix_cache_queries", 0.0)
+    return TraceRun(
+        trace=window.name, router=spec.name, requests=len(sessions),
+        ok=sum(1 for r in load.results if r.ok),
+        ttfts=[r.ttft for r in load.results if r.ok and r.ttft is not None],
+        slo_s=slo_s,
+        local_hit=delta.get("vllm:prefix_cache_hits", 0.0) / queries if queries else 0.0,
+        store_hit=(delta.get("vllm:external_prefix_cache_hits", 0.0) / queries
+                   if queries else 0.0),
+        best_hit=window.best_hit_rate,
+        router_cpu_s=None if cpu0 is None or cpu1 is None else cpu1 - cpu0,
+        peak_rss=router.peak_rss, wall_s=wall, load_before=load0, load_after=load1,
+        prediction=prediction,
+    )  # fmt: skip
 
 
 def _fmt_mb(value: int | None) -> str:
@@ -266,6 +288,8 @@ def render(results: list[tuple[dict[str, Any], list[TraceRun]]]) -> str:
                 f"| {r.load_before:.1f}->{r.load_after:.1f} |"
             )
         lines.append("")
+        for skipped in setup.get("skipped", []):
+            lines.append(f"Skipped: {skipped}")
         preds = [r for r in runs if r.prediction]
         if preds:
             lines += ["Prefill-phase prediction (pdgate's calibrated model): ", "",
@@ -331,6 +355,7 @@ async def run_traces(
         window = trace_window(path, options, MODEL, seed)
         runs, setup = await replay(window, config, out / "raw")
         results.append((setup, runs))
+        (out / "trace.md").write_text(render(results))  # after each trace: nothing lost
     (out / "trace.md").write_text(render(results))
     (out / "trace.json").write_text(json.dumps(
         [{"setup": s, "runs": [asdict(r) for r in runs]} for s, runs in results], indent=1))

@@ -21,8 +21,8 @@ LATENCY_BUCKETS = (
 )
 #: vLLM's TTFT buckets, with finer steps below 100 ms where a router's phases live.
 TTFT_BUCKETS = (
-    0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.06, 0.08, 0.1, 0.15, 0.25,
-    0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0,
+    0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.06, 0.08, 0.1, 0.125, 0.15,
+    0.175, 0.2, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0,
 )
 #: vLLM's inter-token latency buckets, plus the sub-10 ms steps of fast engines.
 ITL_BUCKETS = (

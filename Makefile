@@ -37,11 +37,12 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[test,sim,bench]'
 	touch $(STAMP)
 
-# Debian packages: libibverbs1 (the Mooncake wheel links it even for TCP) and
-# redis-server (the global rate-limit tests start a real one).
+# Debian packages: libibverbs1 (the Mooncake wheel links it even for TCP),
+# redis-server (the global rate-limit tests start a real one) and prometheus (the
+# dashboard test evaluates every panel's query on a real one scraping a live router).
 sysdeps: $(STAMP)
 	@$(BIN)/python -c "import mooncake.store" 2>/dev/null && command -v redis-server >/dev/null \
-		|| sh scripts/install-sysdeps.sh
+		&& command -v prometheus >/dev/null || sh scripts/install-sysdeps.sh
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -8,9 +8,11 @@ cancels prefill and decode upstream and releases the in-flight counters.
 
 Before the body is read a data request passes the drain check, the header limits and the
 API key; after parsing, admission control (when bounded). With an admin port, `/metrics`,
-`/healthz`, `/readyz` and the API's documents (`/docs`, `/redoc`, `/openapi.json`) move to
-a FastAPI app of their own (`build_ops_app`); without one, the documents and `/metrics`
+the probes (`/health`, `/healthz`, `/readyz`) and the API's documents (`/docs`, `/redoc`,
+`/openapi.json`) move to a FastAPI app of their own (`build_ops_app`); without one, the
+documents and `/metrics`
 need the API key when keys are set (`KEYED_CONTROL_PATHS`), and the probes stay open.
+Every error either app answers is OpenAI-shaped (`router/control_errors.py`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from router import control_errors
 from router.errors import APIError, method_not_allowed
 from router.proxy import Responder
 from router.request import (
@@ -51,10 +54,12 @@ Send = Callable[[Message], Awaitable[None]]
 DATA_PATHS = frozenset((CHAT_PATH, COMPLETIONS_PATH))
 #: Control-plane paths that need the API key when keys are set (`/v1/models` checks it
 #: itself): what the API looks like and how it is loaded is the clients' business only.
-#: The probes (`/healthz`, `/readyz`) stay open for the kubelet.
+#: The probes (`/health`, `/healthz`, `/readyz`) stay open for the kubelet and tools.
 DOC_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
 KEYED_CONTROL_PATHS = frozenset((*DOC_PATHS, "/metrics"))
 CLIENT_CLOSED = 499  # nginx's code for "client closed the request", for metrics only
+#: The `model` label of requests for no model a route serves (see router/metrics.py).
+NO_MODEL = ""
 
 
 class PDGateApp:
@@ -107,8 +112,8 @@ class PDGateApp:
 
     async def _data(self, scope: Scope, receive: Receive, send: Send) -> None:
         began = time.perf_counter()
-        out = Responder(send)
-        model = "_unknown"
+        out = Responder(send, began)
+        model = NO_MODEL
         state = self.state
         drain = state.resilience.drain
         drain.enter()
@@ -224,11 +229,7 @@ def build_control_plane(state: AppState, ops: bool = True) -> FastAPI:
     docs: dict[str, Any] = {} if ops else {"openapi_url": None, "docs_url": None,
                                            "redoc_url": None}
     app = FastAPI(title="pdgate", version="0.1.0", **docs)
-
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, exc: APIError) -> Response:
-        return Response(exc.body(), status_code=exc.status, headers=exc.headers,
-                        media_type="application/json")
+    control_errors.install(app)
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -269,6 +270,7 @@ def build_ops_app(state: AppState, api: FastAPI) -> FastAPI:
     client traffic (the admin port is not to be exposed, so none of it asks for a key)."""
     app = FastAPI(title="pdgate-admin", version="0.1.0", openapi_url=None, docs_url=None,
                   redoc_url=None)
+    control_errors.install(app)
     add_ops_routes(app, state)
 
     @app.get("/openapi.json", include_in_schema=False)
@@ -287,6 +289,11 @@ def build_ops_app(state: AppState, api: FastAPI) -> FastAPI:
 
 
 def add_ops_routes(app: FastAPI, state: AppState) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        """200 while the process is up, with an empty body, as vLLM and SGLang answer."""
+        return Response(status_code=200)
+
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}

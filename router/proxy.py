@@ -52,6 +52,7 @@ from router.routing import ModelNotFound, NoRoute, RouteDecision, resolve
 from router.scheduling import Pick, Scheduler, ScheduleRequest
 from router.security.ratelimit import TokenRateLimiter
 from router.security.usage import StreamUsage, body_completion_tokens
+from router.timing import CONTENT, Timeline
 from router.upstream import MAX_JSON_BODY_BYTES, Upstream, read_body
 from router.view import ClusterView, Endpoint, ServerPods
 
@@ -74,12 +75,16 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 
 class Responder:
-    """Wraps the ASGI `send`, remembering whether the client has seen any byte."""
+    """Wraps the ASGI `send`, remembering whether the client has seen any byte.
 
-    __slots__ = ("_send", "finished", "started", "status")
+    `clock` times the request from `arrived` (the ASGI call) for TTFT and its phases.
+    """
 
-    def __init__(self, send: Send) -> None:
+    __slots__ = ("_send", "clock", "finished", "started", "status")
+
+    def __init__(self, send: Send, arrived: float | None = None) -> None:
         self._send = send
+        self.clock = Timeline(arrived)
         self.started = False
         self.finished = False  # the last body chunk went out
         self.status = 0
@@ -117,6 +122,7 @@ class Attempt:
     usage: StreamUsage | None = None  # the stream's usage watcher (track_usage only)
     output_tokens: int = 0  # a non-streaming answer's completion tokens (track_usage only)
     waiting_on: Endpoint | None = None  # the pod whose answer is awaited (blamed on timeout)
+    first_lap: str = "first_token"  # the TTFT phase the first content closes (timing.py)
     pick: Pick | None = None  # the pair of the latest attempt
     failure: UpstreamError | None = None  # the latest attempt's failure
 
@@ -153,6 +159,7 @@ class Proxy:
         self, parsed: ParsedRequest, client_headers: Mapping[str, str], out: Responder
     ) -> None:
         """Answer one request, with the decode pod's answer or an OpenAI error."""
+        out.clock.lap("admission")
         request_id = client_headers.get("x-request-id")
         if request_id is None or not _REQUEST_ID.fullmatch(request_id):
             request_id = uuid.uuid4().hex
@@ -276,6 +283,7 @@ class Proxy:
             raise _RetryRefused
         assert attempt.failure is not None
         self.metrics.retry(attempt.parsed.model, attempt.failure.phase)
+        out.clock.retry()
         try:
             await self._attempt(attempt, target, avoid, out)
         except UpstreamError as exc:
@@ -301,6 +309,7 @@ class Proxy:
         self, attempt: Attempt, server: ServerPods, avoid: set[str], out: Responder
     ) -> None:
         parsed = attempt.parsed
+        out.clock.attempt()
         request = ScheduleRequest(parsed.model, parsed.path, parsed.body, attempt.client_headers)
         prepare = getattr(self.scheduler, "prepare", None)
         if prepare is not None:
@@ -311,6 +320,7 @@ class Proxy:
                 f"No ready pods serve model `{parsed.model}`.", retry_after=1
             )
         attempt.pick = pick
+        out.clock.lap("schedule")
         for endpoint in pick.endpoints:
             self.inflight.acquire(endpoint)
         prefill_held = pick.prefill
@@ -326,8 +336,12 @@ class Proxy:
         try:
             await self._run_pick(attempt, pick, out, release_prefill)
         except UpstreamError as exc:
-            self.metrics.upstream_error(exc.reason, exc.phase)
-            self._blame(exc)
+            if _clients_fault(exc):
+                assert exc.status is not None
+                self.metrics.client_error(exc.status, exc.phase)
+            else:
+                self.metrics.upstream_error(exc.reason, exc.phase)
+                self._blame(exc)
             raise
         except asyncio.CancelledError:
             # The request's deadline (not the client) cancelled it: the pod awaited hung.
@@ -349,8 +363,6 @@ class Proxy:
         pod = exc.pod
         if not isinstance(pod, Endpoint) or exc.reason in _NOT_THE_PODS_FAULT:
             return
-        if exc.status is not None and 400 <= exc.status < 500 and not exc.retryable:
-            return  # the engine refused the client's input: the pod is fine
         self.outliers.record_failure(pod)
 
     async def _run_pick(
@@ -358,7 +370,9 @@ class Proxy:
     ) -> None:
         parsed = attempt.parsed
         handoff: Handoff | None = None
-        started = time.perf_counter()
+        clock = out.clock
+        started = clock.mark  # the pick's lap
+        attempt.first_lap = "first_token"
         if pick.prefill is not None:
             attempt.waiting_on = pick.prefill
             call = PDCall(
@@ -374,13 +388,18 @@ class Proxy:
             handoff = await attempt.connector.start(call, self.upstream)
             if handoff.prefill_task is None:
                 release_prefill()
-                self.metrics.phase_done("prefill", time.perf_counter() - started)
+                self.metrics.phase_done("prefill", clock.lap("prefill") - started)
+            else:  # concurrent: prefill runs beside decode until the first content
+                clock.lap("kv_handoff")
+                attempt.first_lap = "prefill"
         decode_body = parsed.body if handoff is None else handoff.decode_body
         phase = "aggregated" if pick.prefill is None else "decode"
         attempt.waiting_on = pick.decode
-        decode_started = time.perf_counter()
+        decode_started = clock.mark
         try:
             response = await self._open_decode(attempt, pick, decode_body, handoff)
+            if handoff is not None and handoff.prefill_task is None:
+                clock.lap("kv_handoff")  # decode accepted the handle (its headers are in)
             try:
                 await self._relay(attempt, pick, response, out)
             finally:
@@ -443,10 +462,13 @@ class Proxy:
             await out.body(raw)
             return
         usage = None
-        if attempt.track_usage:
-            usage = attempt.usage = StreamUsage(hide=not parsed.include_usage)
-        began = time.perf_counter()
-        first = True
+        if attempt.track_usage or parsed.include_usage:
+            usage = StreamUsage(hide=not parsed.include_usage)
+            if attempt.track_usage:
+                attempt.usage = usage
+        clock = out.clock
+        itl = None  # the ITL histogram child, once the first content went out
+        first_at = last_at = 0.0
         end = b""  # the stream's last bytes, to check it ended with [DONE]
         try:
             async for chunk in response.content.iter_any():
@@ -458,11 +480,19 @@ class Proxy:
                     chunk = usage.feed(chunk)
                     if not chunk:
                         continue
-                if first:
+                if not out.started:
                     await out.start(response.status, headers)
-                    self.metrics.first_byte(parsed.model, time.perf_counter() - began)
-                    first = False
                 await out.body(chunk, more=True)
+                if CONTENT.search(chunk) is None:
+                    continue
+                if itl is None:  # the first token reached the client
+                    first_at = last_at = clock.lap(attempt.first_lap)
+                    self.metrics.first_token(parsed.model, first_at - clock.arrived, clock.laps)
+                    itl = self.metrics.inter_token(parsed.model)
+                else:
+                    now = time.perf_counter()
+                    itl.observe(now - last_at)
+                    last_at = now
         except aiohttp.ClientError:
             if not out.started:
                 raise UpstreamError(
@@ -484,6 +514,9 @@ class Proxy:
             await self._cut_short(pick, out, "truncated", "The engine ended the stream early.")
             return
         await out.body(b"")
+        tokens = usage.tokens if usage is not None else None
+        if tokens is not None and tokens > 1 and last_at > first_at:
+            self.metrics.output_rate(parsed.model, (tokens - 1) / (last_at - first_at))
 
     async def _cut_short(self, pick: Pick, out: Responder, reason: str, message: str) -> None:
         """End a stream the engine broke off: an error event and `[DONE]`, nothing spliced."""
@@ -507,10 +540,19 @@ def _kv_lost(exc: UpstreamError) -> bool:
     return exc.phase == "decode" and exc.status == 503
 
 
+def _clients_fault(exc: UpstreamError) -> bool:
+    """Whether the engine refused the client's own input (4xx other than 408/429).
+
+    Such a refusal is a client error: the pod is fine and nothing upstream failed.
+    """
+    return exc.status is not None and 400 <= exc.status < 500 and not exc.retryable
+
+
 def _client_error(exc: UpstreamError) -> APIError:
     if exc.reason == "timeout":
         return gateway_timeout(exc.message)
-    if exc.status is not None and 400 <= exc.status < 500 and not exc.retryable:
+    if _clients_fault(exc):
+        assert exc.status is not None
         return APIError(exc.status, exc.message, code="upstream_rejected")
     return bad_gateway(exc.message, code=exc.reason)
 

@@ -231,11 +231,13 @@ async def test_a_cancelled_waiter_leaves_the_queue_and_passes_its_slot() -> None
 
 async def test_drain_waits_for_requests_in_flight() -> None:
     drain = Drain()
-    drain.enter()
+    task = asyncio.current_task()
+    assert task is not None
+    drain.enter(task)
     drain.begin()
     assert drain.draining
     assert not await drain.wait_idle(0.05)
-    asyncio.get_running_loop().call_later(0.05, drain.leave)
+    asyncio.get_running_loop().call_later(0.05, drain.leave, task)
     assert await drain.wait_idle(1.0)
     idle = Drain()
     idle.begin()

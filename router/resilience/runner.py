@@ -7,7 +7,8 @@ answers `/readyz` 503, data requests already in flight finish within the grace p
 then every server stops. When the grace runs out, or on a second signal, the requests
 still in flight are cut off: each ends its response with a `shutting_down` error (an
 error event and `[DONE]` on a stream, a 503 before the first byte), one log line says how
-many, and the process still exits 0. A third signal stops without waiting for anything.
+many, and the process still exits 0. A third signal stops without waiting for the cut-off
+requests to send their endings (uvicorn still gives them `SHUTDOWN_SLACK_S`).
 An optional second server on `admin_port` serves the operational endpoints (metrics,
 health) apart from client traffic.
 """
@@ -99,10 +100,11 @@ class DrainingRunner:
         elif self._signals == 2:
             self._hurry.set()  # `_drain` logs the cut-off
         else:
+            # Not uvicorn's force_exit: that skips the lifespan shutdown (sessions left
+            # open, a CancelledError traceback). Its own shutdown is bounded anyway.
             log.warning("signal %d a third time: stopping without waiting", signum)
             for server in self.servers:
                 server.should_exit = True
-                server.force_exit = True
 
     async def _drain(self, signum: int) -> None:
         began = time.monotonic()

@@ -140,7 +140,10 @@ def owns_listener(pid: int, host: str, port: int) -> bool:
     Answering HTTP on the port is not enough: a leftover process of an earlier run may be
     answering there while ours failed to bind.
     """
-    address = struct.unpack("=I", socket.inet_aton(host))[0]
+    try:
+        address = struct.unpack("=I", socket.inet_aton(host))[0]
+    except OSError:  # not IPv4 (local clusters use 127/8): the HTTP check has to do
+        return True
     wanted = f"{address:08X}:{port:04X}"
     inodes = set()
     with contextlib.suppress(OSError):

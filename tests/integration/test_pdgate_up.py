@@ -35,7 +35,7 @@ from tests.integration.harness import (
     pod_manifest,
     write_yaml,
 )
-from tests.integration.test_faults_kit import sse_payloads
+from tests.integration.test_faults_kit import sse_payloads, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -242,7 +242,7 @@ def test_sighup_and_sigint_stop_like_sigterm(up: Up, signum: int) -> None:
     up.signal(signum)
     assert up.wait() == 0, up.output()
     assert up.left_behind() == []
-    assert not accepts("127.0.0.1", up.port)
+    wait_for(lambda: not accepts("127.0.0.1", up.port), timeout=5)
 
 
 def test_sigkill_of_the_launcher_takes_every_child_down(up: Up) -> None:
@@ -251,7 +251,8 @@ def test_sigkill_of_the_launcher_takes_every_child_down(up: Up) -> None:
     up.signal(signal.SIGKILL)
     up.wait()
     assert up.left_behind(within_s=10) == []
-    assert not accepts("127.0.0.1", up.port)
+    # The kernel may close a killed process's sockets a moment after it is gone.
+    wait_for(lambda: not accepts("127.0.0.1", up.port), timeout=5)
 
 
 class _Answers200(BaseHTTPRequestHandler):

@@ -74,6 +74,7 @@ class DrainingRunner:
         self._drain_task: asyncio.Task[None] | None = None
         self._hurry = asyncio.Event()  # a second signal: stop waiting for the grace
         self._signals = 0
+        self._last_signal = 0
 
     def run(self) -> int:
         with asyncio.Runner(loop_factory=self.main.config.get_loop_factory()) as runner:
@@ -94,9 +95,10 @@ class DrainingRunner:
 
     def on_signal(self, signum: int) -> None:
         self._signals += 1
+        self._last_signal = signum
         if self._drain_task is None:
             log.warning("signal %d: draining (grace %g s)", signum, self.config.drain_grace_s)
-            self._drain_task = asyncio.get_running_loop().create_task(self._drain(signum))
+            self._drain_task = asyncio.get_running_loop().create_task(self._drain())
         elif self._signals == 2:
             self._hurry.set()  # `_drain` logs the cut-off
         else:
@@ -106,7 +108,7 @@ class DrainingRunner:
             for server in self.servers:
                 server.should_exit = True
 
-    async def _drain(self, signum: int) -> None:
+    async def _drain(self) -> None:
         began = time.monotonic()
         self.drain.begin()
         grace = self.config.drain_grace_s
@@ -118,7 +120,8 @@ class DrainingRunner:
         if self.drain.active == 0:
             log.warning("drained in %.2f s", took)
         else:
-            why = (f"signal {signum} again after {took:.2f} s" if self._hurry.is_set()
+            why = (f"signal {self._last_signal} again after {took:.2f} s"
+                   if self._hurry.is_set()
                    else f"grace period over after {took:.2f} s")
             log.warning("%s: ending %d request(s) in flight with a shutting_down error",
                         why, self.drain.cut())

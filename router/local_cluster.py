@@ -302,8 +302,11 @@ class LocalCluster:
             time.sleep(POLL_SECONDS)
 
     def stop(self) -> None:
-        """The router first (its whole drain), then the pods, then the master."""
-        router, self._router = self._router, None
+        """The router first (its whole drain), then the pods, then the master.
+
+        Each stays in `children()` until it is reaped, so a third signal still kills it.
+        """
+        router = self._router
         if router is not None:
             router.signal(signal.SIGTERM)
             cut_short = False
@@ -314,15 +317,16 @@ class LocalCluster:
                     cut_short = True
                 time.sleep(POLL_SECONDS)
             _reap(router, 0)
-        pods, self._pods = self._pods, []
-        for pod in pods:
+            self._router = None
+        for pod in self._pods:
             pod.signal(signal.SIGTERM)
         deadline = time.monotonic() + POD_STOP_TIMEOUT_SECONDS
-        for pod in pods:
+        for pod in self._pods:
             _reap(pod, deadline - time.monotonic())
-        master, self._master = self._master, None
-        if master is not None:
-            master.stop(POD_STOP_TIMEOUT_SECONDS)
+        self._pods = []
+        if self._master is not None:
+            self._master.stop(POD_STOP_TIMEOUT_SECONDS)
+            self._master = None
 
     def remove_logs(self) -> None:
         """Delete the log directory if it is a temporary one of ours."""

@@ -18,6 +18,7 @@ Every error either app answers is OpenAI-shaped (`router/control_errors.py`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -60,6 +61,8 @@ KEYED_CONTROL_PATHS = frozenset((*DOC_PATHS, "/metrics"))
 CLIENT_CLOSED = 499  # nginx's code for "client closed the request", for metrics only
 #: The `model` label of requests for no model a route serves (see router/metrics.py).
 NO_MODEL = ""
+#: How long a response cut off by the shutdown may take to send its ending.
+SHUTDOWN_WRITE_S = 1.0
 
 
 class PDGateApp:
@@ -116,7 +119,9 @@ class PDGateApp:
         model = NO_MODEL
         state = self.state
         drain = state.resilience.drain
-        drain.enter()
+        this = asyncio.current_task()
+        assert this is not None
+        drain.enter(this)
         try:
             if drain.draining:
                 raise shutting_down()
@@ -142,12 +147,18 @@ class PDGateApp:
                 await out.error(exc)
         except ClientGone:
             out.status = CLIENT_CLOSED
+        except asyncio.CancelledError:
+            if not drain.draining:
+                raise
+            # The drain's cut-off (or the server's last-resort cancel): end, don't cut.
+            this.uncancel()
+            await _end_for_shutdown(out)
         except Exception:
             log.exception("unexpected error serving %s", scope["path"])
             if not out.started:
                 await out.error(APIError(500, "Internal error.", type="internal_error"))
         finally:
-            drain.leave()
+            drain.leave(this)
             state.metrics.request_done(
                 model, out.status or CLIENT_CLOSED, time.perf_counter() - began
             )
@@ -163,6 +174,14 @@ class PDGateApp:
             await self.state.proxy.serve(parsed, headers, out)
         finally:
             admission.leave(model)
+
+
+async def _end_for_shutdown(out: Responder) -> None:
+    """End a response the shutdown cancelled with a `shutting_down` error, if the client
+    still reads: within `SHUTDOWN_WRITE_S`, and quietly if cancelled again meanwhile."""
+    with contextlib.suppress(asyncio.CancelledError, TimeoutError, OSError):
+        async with asyncio.timeout(SHUTDOWN_WRITE_S):
+            await out.end(shutting_down())
 
 
 class ClientGone(Exception):

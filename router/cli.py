@@ -11,12 +11,20 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from router.http.config import EdgeConfig
+    from router.local_cluster import LocalCluster
     from router.resilience.config import ResilienceConfig
     from router.security.config import SecurityConfig
 
 DEFAULT_PORT = 8080
 DEMO_MODEL = "deepseek_v4"
 DEMO_QUESTION = "Where is the capital of China?"
+#: A system prompt long enough for a few full 16-token KV blocks, so the demo shows the
+#: blocks prefill wrote to the Mooncake Store and decode read back.
+DEMO_SYSTEM = ("You are a geography assistant in a prefill/decode disaggregated cluster: "
+               "prefill computed this prompt's KV cache and decode read it from the store.")
+DEMO_TIMEOUT_S = 60.0
+#: What stops `up` and `demo` in order (SIGHUP: the terminal was closed).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,6 +52,12 @@ def main(argv: list[str] | None = None) -> int:
         command = commands.add_parser(name, help=text)
         command.add_argument("--config", type=Path, default=Path("config"))
         command.add_argument("--port", type=int, default=DEFAULT_PORT)
+        command.add_argument("--log-dir", type=Path,
+                             help="children's logs (default: a temporary directory, "
+                                  "removed after a clean stop)")
+        command.add_argument("--drain-grace", type=float,
+                             help="the router's drain grace on stop, seconds (default: "
+                                  "serve's)")
 
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -52,15 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.command == "serve":
         return _serve(args)
-    # SIGTERM must unwind like Ctrl-C so the local cluster stops its child processes.
-    signal.signal(signal.SIGTERM, _exit_on_signal)
-    if args.command == "up":
-        return _up(args)
-    return _demo(args)
-
-
-def _exit_on_signal(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
+    return _local(args)
 
 
 def _add_reliability_flags(serve: argparse.ArgumentParser) -> None:
@@ -222,65 +228,107 @@ def _serve(args: argparse.Namespace) -> int:
     ).run()
 
 
-def _up(args: argparse.Namespace) -> int:
-    from router.local_cluster import LocalCluster
+def _local(args: argparse.Namespace) -> int:
+    """`up` and `demo`: own a local cluster; 0 after a clean stop, 1 if a child failed.
 
-    with LocalCluster(args.config, args.port, quiet=False) as cluster:
-        print(f"pdgate is serving on {cluster.router_url}/v1 with {len(cluster.pods)} "
-              "simulated pods; Ctrl-C stops everything.", flush=True)
-        cluster.wait()
-    return 0
+    SIGTERM, SIGINT and SIGHUP (a closed terminal) all stop the cluster in order; a
+    second one cuts the router's drain short, a third kills every child.
+    """
+    if args.command == "demo":
+        try:
+            import openai  # noqa: F401
+        except ImportError:
+            print("pdgate demo needs the openai SDK: pip install 'pdgate[test]'",
+                  file=sys.stderr)
+            return 1
+        print(f"Starting the Mooncake master, simulated pods and the router from "
+              f"{args.config}/ ...", flush=True)
+    from engine_sim.mooncake_master import MooncakeMasterError
+    from router.local_cluster import ChildFailed, Interrupted, LocalCluster
 
-
-def _demo(args: argparse.Namespace) -> int:
+    cluster = LocalCluster(args.config, args.port, args.log_dir, args.drain_grace)
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, cluster.request_stop)
+    failure: str | None = None
     try:
-        import openai
-    except ImportError:
-        print("pdgate demo needs the openai SDK: pip install 'pdgate[test]'", file=sys.stderr)
+        with cluster:
+            try:
+                if args.command == "up":
+                    _up(cluster)
+                else:
+                    _demo(cluster)
+            except ChildFailed as exc:
+                # Say it at once: stopping the rest may take the router's drain.
+                print(f"pdgate {args.command}: {exc}\nStopping the rest of the cluster.",
+                      file=sys.stderr, flush=True)
+                return 1
+    except ChildFailed as exc:
+        failure = str(exc)
+    except MooncakeMasterError as exc:
+        failure = f"the Mooncake master failed to start: {exc}"
+    except Interrupted:
+        print("Stopped while starting.", flush=True)
+    if failure is not None:
+        print(f"pdgate {args.command}: {failure}", file=sys.stderr, flush=True)
         return 1
-    from router.local_cluster import LocalCluster
-
-    print(f"Starting the Mooncake master, simulated pods and the router from {args.config}/ ...")
-    with LocalCluster(args.config, args.port) as cluster:
-        for spec in cluster.pods:
-            endpoint = spec.endpoint
-            print(f"  pod {endpoint.pod_name:<28} {endpoint.role:<8} group={endpoint.group} "
-                  f"{endpoint.ip}:{endpoint.port}")
-        client = openai.OpenAI(base_url=f"{cluster.router_url}/v1", api_key="demo")
-        raw = client.chat.completions.with_raw_response.create(
-            model=DEMO_MODEL,
-            messages=[{"role": "user", "content": DEMO_QUESTION}],
-            stream=False,
-        )
-        completion = raw.parse()
-        print(f"\nQ: {DEMO_QUESTION}")
-        print(f"A: {completion.choices[0].message.content}")
-        print(f"   prefill pod: {raw.headers.get('x-pdgate-prefill-pod')}")
-        print(f"   decode pod:  {raw.headers.get('x-pdgate-decode-pod')}")
-        print(f"   request id:  {raw.headers.get('x-request-id')}")
-        if completion.usage is not None:
-            print(f"   tokens: {completion.usage.prompt_tokens} prompt, "
-                  f"{completion.usage.completion_tokens} completion "
-                  "(the engines' real DeepSeek tokenizer)")
-        first = cluster.pods[0].endpoint if cluster.pods else None
-        tokenized = None if first is None else _tokenize(
-            first.base_url, [{"role": "user", "content": DEMO_QUESTION}]
-        )
-        if tokenized is not None:
-            strs = tokenized.get("token_strs") or []
-            print(f"   the prompt as the engine tokenizes it ({tokenized.get('count')} tokens): "
-                  + " ".join(str(s) for s in strs))
-        pods = {spec.endpoint.pod_name: spec.endpoint for spec in cluster.pods}
-        request_id = raw.headers.get("x-request-id", "")
-        for header, verb in (("x-pdgate-prefill-pod", "wrote"), ("x-pdgate-decode-pod", "read")):
-            served_by = pods.get(raw.headers.get(header, ""))
-            if served_by is None:
-                continue
-            record = _sim_record(served_by.base_url, request_id)
-            if record is not None:
-                print(f"   {served_by.pod_name} {verb} {record['blocks']} "
-                      "KV block(s) through the Mooncake Store")
+    if args.command == "up":
+        print("Stopped.", flush=True)
+    cluster.remove_logs()
     return 0
+
+
+def _up(cluster: LocalCluster) -> None:
+    print(f"pdgate is serving on {cluster.router_url}/v1 with {len(cluster.pods)} "
+          f"simulated pods; logs in {cluster.log_dir}; Ctrl-C stops everything.", flush=True)
+    cluster.watch()
+    print(f"Stopping: the router drains first (up to {cluster.drain_grace_s:g} s; a second "
+          "Ctrl-C cuts it short), then the pods and the Mooncake master.", flush=True)
+
+
+def _demo(cluster: LocalCluster) -> None:
+    import openai
+
+    for spec in cluster.pods:
+        endpoint = spec.endpoint
+        print(f"  pod {endpoint.pod_name:<28} {endpoint.role:<8} group={endpoint.group} "
+              f"{endpoint.ip}:{endpoint.port}")
+    client = openai.OpenAI(base_url=f"{cluster.router_url}/v1", api_key="demo",
+                           timeout=DEMO_TIMEOUT_S)
+    raw = client.chat.completions.with_raw_response.create(
+        model=DEMO_MODEL,
+        messages=[{"role": "system", "content": DEMO_SYSTEM},
+                  {"role": "user", "content": DEMO_QUESTION}],
+        stream=False,
+    )
+    completion = raw.parse()
+    print(f"\nQ: {DEMO_QUESTION}")
+    print(f"A: {completion.choices[0].message.content}")
+    print(f"   prefill pod: {raw.headers.get('x-pdgate-prefill-pod')}")
+    print(f"   decode pod:  {raw.headers.get('x-pdgate-decode-pod')}")
+    print(f"   request id:  {raw.headers.get('x-request-id')}")
+    if completion.usage is not None:
+        print(f"   tokens: {completion.usage.prompt_tokens} prompt, "
+              f"{completion.usage.completion_tokens} completion "
+              "(the engines' real DeepSeek tokenizer)")
+    first = cluster.pods[0].endpoint if cluster.pods else None
+    tokenized = None if first is None else _tokenize(
+        first.base_url, [{"role": "system", "content": DEMO_SYSTEM},
+                         {"role": "user", "content": DEMO_QUESTION}]
+    )
+    if tokenized is not None:
+        strs = tokenized.get("token_strs") or []
+        print(f"   the prompt as the engine tokenizes it ({tokenized.get('count')} tokens): "
+              + " ".join(str(s) for s in strs))
+    pods = {spec.endpoint.pod_name: spec.endpoint for spec in cluster.pods}
+    request_id = raw.headers.get("x-request-id", "")
+    for header, verb in (("x-pdgate-prefill-pod", "wrote"), ("x-pdgate-decode-pod", "read")):
+        served_by = pods.get(raw.headers.get(header, ""))
+        if served_by is None:
+            continue
+        record = _sim_record(served_by.base_url, request_id)
+        if record is not None:
+            print(f"   {served_by.pod_name} {verb} {record['blocks']} "
+                  "KV block(s) through the Mooncake Store")
 
 
 def _tokenize(base_url: str, messages: list[dict[str, str]]) -> dict[str, Any] | None:

@@ -98,6 +98,20 @@ class Responder:
         self.finished = not more
         await self._send({"type": "http.response.body", "body": data, "more_body": more})
 
+    async def end(self, error: APIError, request_id: str | None = None) -> None:
+        """End the response with `error`, whatever the client has seen of it so far.
+
+        Before the first byte: the whole error response, with its status. After it (only
+        streams send headers before their answer is complete): the mid-stream form, one
+        error event and `[DONE]`, so the client reads an ending rather than a cut.
+        """
+        if self.finished:
+            return
+        if self.started:
+            await self.body(error.sse_event())
+        else:
+            await self.error(error, request_id)
+
     async def error(self, error: APIError, request_id: str | None = None) -> None:
         headers = [(b"content-type", b"application/json")]
         if request_id:
@@ -216,21 +230,15 @@ class Proxy:
                 await self._serve_with_retries(attempt, out)
         except TimeoutError:
             self.metrics.upstream_error("timeout", "request")
-            await self._fail(out, gateway_timeout(), request_id)
+            await out.end(gateway_timeout(), request_id)
         except APIError as exc:
-            await self._fail(out, exc, request_id)
+            await out.end(exc, request_id)
         finally:
             budget.requests -= 1
             if track_usage and self.limiter is not None:
                 usage = attempt.usage
                 tokens = usage.charged if usage is not None else attempt.output_tokens
                 self.limiter.settle_output(route, tokens)
-
-    async def _fail(self, out: Responder, error: APIError, request_id: str) -> None:
-        if out.started:
-            await out.body(error.sse_event())
-        else:
-            await out.error(error, request_id)
 
     async def _serve_with_retries(self, attempt: Attempt, out: Responder) -> None:
         server = attempt.decision.server

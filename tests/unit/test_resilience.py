@@ -233,15 +233,41 @@ async def test_a_cancelled_waiter_leaves_the_queue_and_passes_its_slot() -> None
 
 async def test_drain_waits_for_requests_in_flight() -> None:
     drain = Drain()
-    drain.enter()
+    task = asyncio.current_task()
+    assert task is not None
+    drain.enter(task)
     drain.begin()
     assert drain.draining
     assert not await drain.wait_idle(0.05)
-    asyncio.get_running_loop().call_later(0.05, drain.leave)
+    asyncio.get_running_loop().call_later(0.05, drain.leave, task)
     assert await drain.wait_idle(1.0)
     idle = Drain()
     idle.begin()
     assert await idle.wait_idle(0.01)
+
+
+async def test_drain_cut_cancels_the_requests_in_flight() -> None:
+    drain = Drain()
+
+    async def request() -> str:
+        task = asyncio.current_task()
+        assert task is not None
+        drain.enter(task)
+        try:
+            await asyncio.sleep(60)
+            return "finished"
+        except asyncio.CancelledError:
+            return "ended by the cut"  # as the app ends its response
+        finally:
+            drain.leave(task)
+
+    requests = [asyncio.create_task(request()) for _ in range(3)]
+    await asyncio.sleep(0)
+    assert drain.active == 3 and not drain.draining
+    assert drain.cut() == 3
+    assert drain.draining
+    assert await asyncio.gather(*requests) == ["ended by the cut"] * 3
+    assert drain.active == 0 and drain.idle.is_set()
 
 
 def test_resilience_follows_the_view() -> None:

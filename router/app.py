@@ -27,11 +27,10 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from router.errors import APIError, method_not_allowed
+from router.errors import APIError, method_not_allowed, model_not_found
 from router.proxy import Responder
 from router.request import (
-    CHAT_PATH,
-    COMPLETIONS_PATH,
+    ENDPOINTS,
     ParsedRequest,
     body_too_large,
     openapi_paths,
@@ -48,7 +47,7 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
-DATA_PATHS = frozenset((CHAT_PATH, COMPLETIONS_PATH))
+DATA_PATHS = frozenset(ENDPOINTS)
 #: Control-plane paths that need the API key when keys are set (`/v1/models` checks it
 #: itself): what the API looks like and how it is loaded is the clients' business only.
 #: The probes (`/healthz`, `/readyz`) stay open for the kubelet.
@@ -258,6 +257,16 @@ def build_control_plane(state: AppState, ops: bool = True) -> FastAPI:
                 for name in state.view.snapshot.model_names()
             ],
         }
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> dict[str, Any]:
+        """The SDK's `models.retrieve`: a served model, or an OpenAI-shaped 404."""
+        if state.security.api_keys is not None:
+            state.security.api_keys.check(request.headers.get("authorization"))
+        if model_id not in state.view.snapshot.routes_by_model:
+            raise model_not_found(model_id)
+        return {"id": model_id, "object": "model", "created": int(state.started_at),
+                "owned_by": "pdgate"}
 
     if ops:
         add_ops_routes(app, state)

@@ -52,6 +52,7 @@ from router.routing import ModelNotFound, NoRoute, RouteDecision, resolve
 from router.scheduling import Pick, Scheduler, ScheduleRequest
 from router.security.ratelimit import TokenRateLimiter
 from router.security.usage import StreamUsage, body_completion_tokens
+from router.tracing import Tracing
 from router.upstream import MAX_JSON_BODY_BYTES, Upstream, read_body
 from router.view import ClusterView, Endpoint, ServerPods
 
@@ -69,6 +70,9 @@ _NOT_THE_PODS_FAULT = frozenset(("bad_config",))
 _DONE = b"data: [DONE]"
 #: How many bytes of a stream's end are kept to check that it ended with `[DONE]`.
 _TAIL = 32
+#: The Responses API's last event (vLLM sends no `[DONE]` after it): any of these.
+_RESPONSE_ENDS = (b"event: response.completed", b"event: response.incomplete",
+                  b"event: response.failed")
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
@@ -119,6 +123,8 @@ class Attempt:
     waiting_on: Endpoint | None = None  # the pod whose answer is awaited (blamed on timeout)
     pick: Pick | None = None  # the pair of the latest attempt
     failure: UpstreamError | None = None  # the latest attempt's failure
+    span: Any = None  # the request's root span (tracing on only)
+    attempts: int = 0
 
 
 class _RetryRefused(Exception):
@@ -138,6 +144,7 @@ class Proxy:
         outliers: OutlierDetector | None = None,
         limiter: TokenRateLimiter | None = None,
         retry_budget: RetryBudget | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.view = view
         self.scheduler = scheduler
@@ -148,6 +155,7 @@ class Proxy:
         self.outliers = outliers or OutlierDetector(ResilienceConfig(consecutive_failures=0))
         self.limiter = limiter
         self.retry_budget = retry_budget or RetryBudget()
+        self.tracing = tracing
 
     async def serve(
         self, parsed: ParsedRequest, client_headers: Mapping[str, str], out: Responder
@@ -156,6 +164,27 @@ class Proxy:
         request_id = client_headers.get("x-request-id")
         if request_id is None or not _REQUEST_ID.fullmatch(request_id):
             request_id = uuid.uuid4().hex
+        tracing = self.tracing
+        if tracing is None:
+            await self._serve(parsed, client_headers, out, request_id, None)
+            return
+        span = tracing.request(client_headers, parsed.path, request_id)
+        try:
+            await self._serve(parsed, client_headers, out, request_id, span)
+        finally:
+            span.set_attribute("http.response.status_code", out.status)
+            if out.status >= 500:
+                tracing.fail(span, f"status {out.status}")
+            span.end()
+
+    async def _serve(
+        self, parsed: ParsedRequest, client_headers: Mapping[str, str], out: Responder,
+        request_id: str, span: Any,
+    ) -> None:
+        tracing = self.tracing
+        route_span = None
+        if span is not None and tracing is not None:
+            route_span = tracing.child(span, "route", {"gen_ai.request.model": parsed.model})
         try:
             decision = resolve(
                 self.view.snapshot, parsed.model, client_headers, parsed.path, self.rng
@@ -167,6 +196,16 @@ class Proxy:
             await out.error(service_unavailable(f"No route serves model `{parsed.model}`: "
                                                 f"{exc.reason}."), request_id)
             return
+        finally:
+            if route_span is not None:
+                route_span.end()
+        if route_span is not None:
+            meta = decision.server.server.meta
+            route_span.set_attributes({
+                "pdgate.route": f"{decision.route.meta.namespace}/{decision.route.meta.name}",
+                "pdgate.model_server": f"{meta.namespace}/{meta.name}",
+                "pdgate.upstream_model": decision.upstream_model,
+            })
         route = decision.route
         limit = route.rate_limit
         track_usage = False
@@ -177,7 +216,7 @@ class Proxy:
                 await out.error(exc, request_id)
                 return
             track_usage = bool(limit.output_tokens_per_unit)
-            if track_usage and parsed.stream:
+            if track_usage and parsed.stream and parsed.flow == "pd":
                 options = parsed.body.get("stream_options") or {}
                 parsed.body["stream_options"] = {**options, "include_usage": True}
         server = decision.server.server
@@ -201,6 +240,7 @@ class Proxy:
             client_headers=client_headers,
             deadline=loop.time() + (server.timeout_s or DEFAULT_TIMEOUT_SECONDS),
             track_usage=track_usage,
+            span=span,
         )
         budget = self.retry_budget
         budget.requests += 1
@@ -209,9 +249,9 @@ class Proxy:
                 await self._serve_with_retries(attempt, out)
         except TimeoutError:
             self.metrics.upstream_error("timeout", "request")
-            await self._fail(out, gateway_timeout(), request_id)
+            await self._fail(out, gateway_timeout(), request_id, parsed)
         except APIError as exc:
-            await self._fail(out, exc, request_id)
+            await self._fail(out, exc, request_id, parsed)
         finally:
             budget.requests -= 1
             if track_usage and self.limiter is not None:
@@ -219,9 +259,11 @@ class Proxy:
                 tokens = usage.charged if usage is not None else attempt.output_tokens
                 self.limiter.settle_output(route, tokens)
 
-    async def _fail(self, out: Responder, error: APIError, request_id: str) -> None:
+    async def _fail(
+        self, out: Responder, error: APIError, request_id: str, parsed: ParsedRequest
+    ) -> None:
         if out.started:
-            await out.body(error.sse_event())
+            await out.body(_stream_error(parsed, error))
         else:
             await out.error(error, request_id)
 
@@ -301,15 +343,28 @@ class Proxy:
         self, attempt: Attempt, server: ServerPods, avoid: set[str], out: Responder
     ) -> None:
         parsed = attempt.parsed
-        request = ScheduleRequest(parsed.model, parsed.path, parsed.body, attempt.client_headers)
-        prepare = getattr(self.scheduler, "prepare", None)
-        if prepare is not None:
-            await prepare(server, request)  # big prompts: tokenized off the event loop
-        pick = self.scheduler.pick(server, request, frozenset(avoid))
+        attempt.attempts += 1
+        request = ScheduleRequest(parsed.model, parsed.path, parsed.body, attempt.client_headers,
+                                  flow=parsed.flow)
+        tracing = self.tracing
+        span = None
+        if tracing is not None and attempt.span is not None:
+            span = tracing.child(attempt.span, "schedule", {"pdgate.attempt": attempt.attempts,
+                                                            "pdgate.flow": parsed.flow})
+        try:
+            prepare = getattr(self.scheduler, "prepare", None)
+            if prepare is not None:
+                await prepare(server, request)  # big prompts: tokenized off the event loop
+            pick = self.scheduler.pick(server, request, frozenset(avoid))
+        finally:
+            if span is not None:
+                span.end()
         if pick is None:
             raise service_unavailable(
                 f"No ready pods serve model `{parsed.model}`.", retry_after=1
             )
+        if span is not None:
+            span.set_attributes(_pick_attributes(pick))
         attempt.pick = pick
         for endpoint in pick.endpoints:
             self.inflight.acquire(endpoint)
@@ -356,22 +411,17 @@ class Proxy:
     async def _run_pick(
         self, attempt: Attempt, pick: Pick, out: Responder, release_prefill: Callable[[], None]
     ) -> None:
+        if attempt.span is not None:
+            await self._run_pick_traced(attempt, pick, out, release_prefill)
+            return
         parsed = attempt.parsed
         handoff: Handoff | None = None
         started = time.perf_counter()
         if pick.prefill is not None:
             attempt.waiting_on = pick.prefill
-            call = PDCall(
-                path=parsed.path,
-                body=parsed.body,
-                headers=attempt.headers,
-                request_id=attempt.request_id,
-                prefill=pick.prefill,
-                decode=pick.decode,
-                deadline=attempt.deadline,
-                annotations=attempt.decision.server.server.meta.annotations,
+            handoff = await attempt.connector.start(
+                self._pd_call(attempt, pick, attempt.headers), self.upstream
             )
-            handoff = await attempt.connector.start(call, self.upstream)
             if handoff.prefill_task is None:
                 release_prefill()
                 self.metrics.phase_done("prefill", time.perf_counter() - started)
@@ -386,6 +436,85 @@ class Proxy:
             finally:
                 response.close()
         finally:
+            if handoff is not None and handoff.prefill_task is not None:
+                await _finish_prefill(handoff.prefill_task)
+        self.metrics.phase_done(phase, time.perf_counter() - decode_started)
+
+    def _pd_call(self, attempt: Attempt, pick: Pick, headers: dict[str, str]) -> PDCall:
+        assert pick.prefill is not None
+        return PDCall(
+            path=attempt.parsed.path,
+            body=attempt.parsed.body,
+            headers=headers,
+            request_id=attempt.request_id,
+            prefill=pick.prefill,
+            decode=pick.decode,
+            deadline=attempt.deadline,
+            annotations=attempt.decision.server.server.meta.annotations,
+        )
+
+    async def _run_pick_traced(
+        self, attempt: Attempt, pick: Pick, out: Responder, release_prefill: Callable[[], None]
+    ) -> None:
+        """`_run_pick` with spans (tracing on): the same steps, kept apart so the untraced
+        path carries no span bookkeeping. Each engine call carries its span as parent."""
+        tracing = self.tracing
+        assert tracing is not None
+        root = attempt.span
+        parsed = attempt.parsed
+        handoff: Handoff | None = None
+        started = time.perf_counter()
+        if pick.prefill is not None:
+            attempt.waiting_on = pick.prefill
+            span = tracing.child(root, "prefill", {
+                "pdgate.pod": pick.prefill.pod_name, "server.address": pick.prefill.ip,
+                "server.port": pick.prefill.port, "pdgate.connector": attempt.connector.name,
+            }, client=True)
+            try:
+                call = self._pd_call(attempt, pick, tracing.headers(attempt.headers, span))
+                handoff = await attempt.connector.start(call, self.upstream)
+            except UpstreamError as exc:
+                tracing.fail(span, exc.reason)
+                raise
+            finally:
+                span.end()
+            if handoff.prefill_task is None:
+                release_prefill()
+                self.metrics.phase_done("prefill", time.perf_counter() - started)
+        decode_body = parsed.body if handoff is None else handoff.decode_body
+        phase = "aggregated" if pick.prefill is None else "decode"
+        attempt.waiting_on = pick.decode
+        decode_started = time.perf_counter()
+        decode = tracing.child(root, "decode", {
+            "pdgate.pod": pick.decode.pod_name, "server.address": pick.decode.ip,
+            "server.port": pick.decode.port, "pdgate.phase": phase,
+        }, client=True)
+        handoff_span = None
+        if handoff is not None:
+            handoff_span = tracing.child(root, "kv_handoff", {
+                "pdgate.connector": attempt.connector.name,
+                "pdgate.concurrent": handoff.prefill_task is not None,
+            })
+        headers = attempt.headers
+        attempt.headers = tracing.headers(headers, decode)
+        try:
+            try:
+                response = await self._open_decode(attempt, pick, decode_body, handoff)
+            finally:
+                attempt.headers = headers
+                if handoff_span is not None:
+                    handoff_span.end()
+            relay = tracing.child(decode, "relay", {"pdgate.stream": parsed.stream})
+            try:
+                await self._relay(attempt, pick, response, out)
+            finally:
+                relay.end()
+                response.close()
+        except UpstreamError as exc:
+            tracing.fail(decode, exc.reason)
+            raise
+        finally:
+            decode.end()
             if handoff is not None and handoff.prefill_task is not None:
                 await _finish_prefill(handoff.prefill_task)
         self.metrics.phase_done(phase, time.perf_counter() - decode_started)
@@ -448,8 +577,13 @@ class Proxy:
         began = time.perf_counter()
         first = True
         end = b""  # the stream's last bytes, to check it ended with [DONE]
+        responses = parsed.endpoint is not None and parsed.endpoint.stream_end == "responses"
+        ended = False  # a Responses stream's last event went by
         try:
             async for chunk in response.content.iter_any():
+                if responses and not ended:
+                    seen = end + chunk
+                    ended = any(marker in seen for marker in _RESPONSE_ENDS)
                 if len(chunk) >= _TAIL:
                     end = chunk
                 else:
@@ -469,7 +603,8 @@ class Proxy:
                     "disconnect", "The engine dropped the stream.", retryable=True,
                     pod=pick.decode, phase="decode",
                 ) from None
-            await self._cut_short(pick, out, "disconnect", "The engine dropped the stream.")
+            await self._cut_short(pick, out, "disconnect", "The engine dropped the stream.",
+                                  parsed)
             return
         if usage is not None and (tail := usage.finish()):
             if not out.started:
@@ -480,17 +615,47 @@ class Proxy:
                 "empty_response", "The engine closed the stream without data.",
                 retryable=True, pod=pick.decode, phase="decode",
             )
-        if not end.rstrip().endswith(_DONE):
-            await self._cut_short(pick, out, "truncated", "The engine ended the stream early.")
+        if not (ended if responses else end.rstrip().endswith(_DONE)):
+            await self._cut_short(pick, out, "truncated", "The engine ended the stream early.",
+                                  parsed)
             return
         await out.body(b"")
 
-    async def _cut_short(self, pick: Pick, out: Responder, reason: str, message: str) -> None:
-        """End a stream the engine broke off: an error event and `[DONE]`, nothing spliced."""
+    async def _cut_short(
+        self, pick: Pick, out: Responder, reason: str, message: str, parsed: ParsedRequest
+    ) -> None:
+        """End a stream the engine broke off: an error event (and `[DONE]` where the API
+        has one), nothing spliced."""
         self.metrics.upstream_error(reason, "decode")
         self.outliers.record_failure(pick.decode)
-        await out.body(bad_gateway(message).sse_event(), more=True)
+        await out.body(_stream_error(parsed, bad_gateway(message)), more=True)
         await out.body(b"")
+
+
+def _stream_error(parsed: ParsedRequest, error: APIError) -> bytes:
+    """The mid-stream form of `error` in the stream's own protocol.
+
+    Chat and completions: a `data:` event with the OpenAI error, then `[DONE]`. Responses
+    API: its `error` event (`type`, `code`, `message`, `param`), which also carries the
+    OpenAI `error` object so the openai SDK raises it; no `[DONE]` (the API has none).
+    """
+    if parsed.endpoint is None or parsed.endpoint.stream_end != "responses":
+        return error.sse_event()
+    payload = {"type": "error", "code": error.code, "message": error.message,
+               "param": error.param, **error.payload()}
+    return b"event: error\ndata: " + orjson.dumps(payload) + b"\n\n"
+
+
+def _pick_attributes(pick: Pick) -> dict[str, Any]:
+    """A schedule span's attributes: the chosen pods and their costs."""
+    attributes: dict[str, Any] = {"pdgate.decode.pod": pick.decode.pod_name}
+    if pick.decode_cost is not None:
+        attributes["pdgate.decode.cost"] = pick.decode_cost
+    if pick.prefill is not None:
+        attributes["pdgate.prefill.pod"] = pick.prefill.pod_name
+        if pick.prefill_cost is not None:
+            attributes["pdgate.prefill.cost"] = pick.prefill_cost
+    return attributes
 
 
 async def _finish_prefill(task: asyncio.Task[Any]) -> None:

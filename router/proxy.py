@@ -189,6 +189,14 @@ class Proxy:
             decision = resolve(
                 self.view.snapshot, parsed.model, client_headers, parsed.path, self.rng
             )
+            if route_span is not None:
+                meta = decision.server.server.meta
+                route_span.set_attributes({
+                    "pdgate.route": f"{decision.route.meta.namespace}/"
+                                    f"{decision.route.meta.name}",
+                    "pdgate.model_server": f"{meta.namespace}/{meta.name}",
+                    "pdgate.upstream_model": decision.upstream_model,
+                })
         except ModelNotFound:
             await out.error(model_not_found(parsed.model), request_id)
             return
@@ -199,13 +207,6 @@ class Proxy:
         finally:
             if route_span is not None:
                 route_span.end()
-        if route_span is not None:
-            meta = decision.server.server.meta
-            route_span.set_attributes({
-                "pdgate.route": f"{decision.route.meta.namespace}/{decision.route.meta.name}",
-                "pdgate.model_server": f"{meta.namespace}/{meta.name}",
-                "pdgate.upstream_model": decision.upstream_model,
-            })
         route = decision.route
         limit = route.rate_limit
         track_usage = False
@@ -356,6 +357,8 @@ class Proxy:
             if prepare is not None:
                 await prepare(server, request)  # big prompts: tokenized off the event loop
             pick = self.scheduler.pick(server, request, frozenset(avoid))
+            if span is not None and pick is not None:
+                span.set_attributes(_pick_attributes(pick))
         finally:
             if span is not None:
                 span.end()
@@ -363,8 +366,6 @@ class Proxy:
             raise service_unavailable(
                 f"No ready pods serve model `{parsed.model}`.", retry_after=1
             )
-        if span is not None:
-            span.set_attributes(_pick_attributes(pick))
         attempt.pick = pick
         for endpoint in pick.endpoints:
             self.inflight.acquire(endpoint)

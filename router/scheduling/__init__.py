@@ -8,7 +8,7 @@ failed this request, so a retry lands elsewhere when it can.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from router.view import Endpoint, ServerPods
@@ -35,13 +35,14 @@ class ScheduleRequest:
 @dataclass(frozen=True, slots=True)
 class Pick:
     """The pods chosen. `prefill` is None for an aggregated server (or a single-pod
-    request). The costs are the chosen pods' (lower is better; see `pipeline`), None when
-    the scheduler computes none; traces report them."""
+    request); two picks are equal when their pods are. The costs are the chosen pods'
+    (lower is better; see `pipeline`), None when the scheduler computes none; traces
+    report them."""
 
     decode: Endpoint
     prefill: Endpoint | None = None
-    decode_cost: float | None = None
-    prefill_cost: float | None = None
+    decode_cost: float | None = field(default=None, compare=False)
+    prefill_cost: float | None = field(default=None, compare=False)
 
     @property
     def endpoints(self) -> tuple[Endpoint, ...]:

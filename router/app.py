@@ -26,6 +26,7 @@ from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.convertors import Convertor, register_url_convertor
 
 from router.errors import APIError, method_not_allowed, model_not_found
 from router.proxy import Responder
@@ -54,6 +55,22 @@ DATA_PATHS = frozenset(ENDPOINTS)
 DOC_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
 KEYED_CONTROL_PATHS = frozenset((*DOC_PATHS, "/metrics"))
 CLIENT_CLOSED = 499  # nginx's code for "client closed the request", for metrics only
+
+
+class _ModelIdConvertor(Convertor[str]):
+    """A model id in a path: any characters, slashes (`org/name`) and newlines included
+    (Starlette's `path` stops at a newline, and the id must reach the OpenAI 404)."""
+
+    regex = "(?s:.+)"
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+register_url_convertor("model_id", _ModelIdConvertor())
 
 
 class PDGateApp:
@@ -258,7 +275,7 @@ def build_control_plane(state: AppState, ops: bool = True) -> FastAPI:
             ],
         }
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:model_id}")
     async def model(model_id: str, request: Request) -> dict[str, Any]:
         """The SDK's `models.retrieve`: a served model, or an OpenAI-shaped 404."""
         if state.security.api_keys is not None:

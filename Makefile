@@ -34,7 +34,7 @@ setup: $(STAMP) sysdeps
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test,sim,bench]'
+	$(BIN)/python -m pip install -q -e '.[test,sim,bench,tracing]'
 	touch $(STAMP)
 
 # Debian packages: libibverbs1 (the Mooncake wheel links it even for TCP),

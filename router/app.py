@@ -29,13 +29,13 @@ from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.convertors import Convertor, register_url_convertor
 
 from router import control_errors
-from router.errors import APIError, method_not_allowed
+from router.errors import APIError, method_not_allowed, model_not_found
 from router.proxy import Responder
 from router.request import (
-    CHAT_PATH,
-    COMPLETIONS_PATH,
+    ENDPOINTS,
     ParsedRequest,
     body_too_large,
     openapi_paths,
@@ -52,7 +52,7 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
-DATA_PATHS = frozenset((CHAT_PATH, COMPLETIONS_PATH))
+DATA_PATHS = frozenset(ENDPOINTS)
 #: Control-plane paths that need the API key when keys are set (`/v1/models` checks it
 #: itself): what the API looks like and how it is loaded is the clients' business only.
 #: The probes (`/health`, `/healthz`, `/readyz`) stay open for the kubelet and tools.
@@ -63,6 +63,22 @@ CLIENT_CLOSED = 499  # nginx's code for "client closed the request", for metrics
 NO_MODEL = ""
 #: How long a response cut off by the shutdown may take to send its ending.
 SHUTDOWN_WRITE_S = 1.0
+
+
+class _ModelIdConvertor(Convertor[str]):
+    """A model id in a path: any characters, slashes (`org/name`) and newlines included
+    (Starlette's `path` stops at a newline, and the id must reach the OpenAI 404)."""
+
+    regex = "(?s:.+)"
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+register_url_convertor("model_id", _ModelIdConvertor())
 
 
 class PDGateApp:
@@ -278,6 +294,16 @@ def build_control_plane(state: AppState, ops: bool = True) -> FastAPI:
                 for name in state.view.snapshot.model_names()
             ],
         }
+
+    @app.get("/v1/models/{model_id:model_id}")
+    async def model(model_id: str, request: Request) -> dict[str, Any]:
+        """The SDK's `models.retrieve`: a served model, or an OpenAI-shaped 404."""
+        if state.security.api_keys is not None:
+            state.security.api_keys.check(request.headers.get("authorization"))
+        if model_id not in state.view.snapshot.routes_by_model:
+            raise model_not_found(model_id)
+        return {"id": model_id, "object": "model", "created": int(state.started_at),
+                "owned_by": "pdgate"}
 
     if ops:
         add_ops_routes(app, state)

@@ -20,6 +20,7 @@ from router.scheduling import Scheduler
 from router.scheduling.runtime import build_scheduler
 from router.security import Security, SecurityConfig
 from router.sources.base import Source
+from router.tracing import tracing_from_env
 from router.upstream import Upstream
 from router.view import ClusterView, Snapshot
 
@@ -58,10 +59,11 @@ class AppState:
         )
         self.scheduler_runtime.set_ejection_hook(self.resilience.is_ejected)
         self.security = Security(config.security, self.view, self.registry)
+        self.tracing = tracing_from_env()
         self.proxy = Proxy(
             self.view, self.scheduler, self.inflight, self.upstream, self.metrics,
             outliers=self.resilience.outliers, limiter=self.security.rate_limiter,
-            retry_budget=self.resilience.retry_budget,
+            retry_budget=self.resilience.retry_budget, tracing=self.tracing,
         )
         self.sources: list[Source] = list(config.extra_sources)
         self.started_at = time.time()
@@ -117,4 +119,6 @@ class AppState:
                 await task
         await self.security.close()
         await self.upstream.close()
+        if self.tracing is not None:
+            await asyncio.to_thread(self.tracing.shutdown)  # flushes the last spans
 

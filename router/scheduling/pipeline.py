@@ -243,7 +243,8 @@ class PipelineScheduler:
         deps = self.deps
         pool, registry = deps.tokenize_pool, deps.tokenizers
         if (
-            request.tokens is not None
+            request.flow == "single"
+            or request.tokens is not None
             or pool is None
             or registry is None
             or not self._profiles.config.precise_enabled
@@ -278,6 +279,9 @@ class PipelineScheduler:
             approx.chars_per_token, server.server,
         )
         ctx = PickContext(request, server, prompt, self.deps, config.cost_model, self._clock())
+        flow = request.flow
+        if flow == "single" or (flow == "generate" and server.is_pd):
+            return self._pick_single(profiles, ctx, server, avoid)
         if server.is_pd:
             result = self._pick_pd(profiles, ctx, server, avoid)
             self.metrics.decision_pd.observe(time.perf_counter() - started)
@@ -338,7 +342,27 @@ class PipelineScheduler:
             self.metrics.predicted_aggregated.observe(
                 costs[index] + ctx.cost.prefill_overhead_s
             )
-        return Pick(decode=cands.pods[index])
+        return Pick(decode=cands.pods[index], decode_cost=costs[index])
+
+    def _pick_single(
+        self, profiles: _Profiles, ctx: PickContext, server: ServerPods, avoid: frozenset[str]
+    ) -> Pick | None:
+        """One pod for a request outside the PD flow: an aggregated pod, or a PD server's
+        decode pod. The role's filters apply, then the least loaded wins (ties at random);
+        scorers are not consulted and nothing is recorded, since the request leaves no
+        prefix in the pod's cache that later requests could reuse."""
+        layout = self._layout(server)
+        if server.is_pd:
+            profile, pods, keys = profiles.decode, layout.decode, layout.decode_keys
+        else:
+            profile, pods, keys = profiles.aggregated, layout.pods, layout.keys
+        if not pods:
+            return None
+        ctx.role = "decode" if server.is_pd else "aggregated"
+        cands = self._narrow(ctx, profile, pods, keys, avoid, 2)
+        loads = cands.loads()
+        index = _choose(self.deps.rng.randrange, loads, 0.0)
+        return Pick(decode=cands.pods[index], decode_cost=loads[index])
 
     # -- prefill/decode pairs -----------------------------------------------------------------
 
@@ -435,7 +459,8 @@ class PipelineScheduler:
                 predicted + model.prefill_overhead_s
                 + ctx.prompt.token_count() * model.transfer_s_per_token
             )
-        return Pick(decode=dec.pods[di], prefill=pre.pods[pi])
+        return Pick(decode=dec.pods[di], prefill=pre.pods[pi], decode_cost=dec_costs[di],
+                    prefill_cost=pre_costs[pi])
 
     @staticmethod
     def _within(

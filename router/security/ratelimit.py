@@ -65,7 +65,7 @@ def estimate_prompt_tokens(parsed: ParsedRequest) -> int:
         for message in body.get("messages") or ():
             chars += _text_chars(message.get("content") if isinstance(message, dict) else None)
     else:
-        prompt = body.get("prompt")
+        prompt = body.get("prompt", body.get("input"))  # input: embeddings, responses
         if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
             return len(prompt)
         chars = _text_chars(prompt)

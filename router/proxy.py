@@ -171,6 +171,8 @@ class Proxy:
         limit = route.rate_limit
         track_usage = False
         if limit is not None and self.limiter is not None:
+            if limit.input_tokens_per_unit:
+                await self._count_tokens(decision.server, parsed)
             try:
                 await self.limiter.admit(route, parsed)
             except APIError as exc:
@@ -218,6 +220,17 @@ class Proxy:
                 usage = attempt.usage
                 tokens = usage.charged if usage is not None else attempt.output_tokens
                 self.limiter.settle_output(route, tokens)
+
+    async def _count_tokens(self, server: ServerPods, parsed: ParsedRequest) -> None:
+        """The prompt's tokens by the server's tokenizer, once per request (rate limits);
+        left unset when it has none, so the limiter estimates instead."""
+        prompt_ids = getattr(self.scheduler, "prompt_ids", None)
+        if prompt_ids is None or parsed.prompt_tokens is not None:
+            return
+        prompts = await prompt_ids(server, parsed.path, parsed.body)
+        if prompts:
+            parsed.tokens = prompts[0]
+            parsed.prompt_tokens = sum(len(p) for p in prompts)
 
     async def _fail(self, out: Responder, error: APIError, request_id: str) -> None:
         if out.started:
@@ -301,11 +314,14 @@ class Proxy:
         self, attempt: Attempt, server: ServerPods, avoid: set[str], out: Responder
     ) -> None:
         parsed = attempt.parsed
-        request = ScheduleRequest(parsed.model, parsed.path, parsed.body, attempt.client_headers)
+        request = ScheduleRequest(
+            parsed.model, parsed.path, parsed.body, attempt.client_headers, parsed.tokens
+        )
         prepare = getattr(self.scheduler, "prepare", None)
         if prepare is not None:
             await prepare(server, request)  # big prompts: tokenized off the event loop
         pick = self.scheduler.pick(server, request, frozenset(avoid))
+        parsed.tokens = request.tokens  # a retry does not tokenize again
         if pick is None:
             raise service_unavailable(
                 f"No ready pods serve model `{parsed.model}`.", retry_after=1

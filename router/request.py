@@ -7,6 +7,7 @@ endpoint needs, with sampling fields inside the bounds of `sampling_bounds`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,13 +30,20 @@ COMPLETIONS_PATH = "/v1/completions"
 
 @dataclass(slots=True)
 class ParsedRequest:
-    """A validated request: the body as a dict plus the fields routing reads."""
+    """A validated request: the body as a dict plus the fields routing reads.
+
+    `tokens` / `prompt_tokens`: the first prompt's token ids and the token count of every
+    prompt, by the chosen ModelServer's tokenizer, once someone computed them (the rate
+    limiter or the scheduler, whichever needs them first); never computed twice.
+    """
 
     path: str
     body: dict[str, Any]
     model: str
     stream: bool
     include_usage: bool
+    tokens: Sequence[int] | None = None
+    prompt_tokens: int | None = None
 
 
 def body_too_large(limit: int = MAX_BODY_BYTES) -> APIError:

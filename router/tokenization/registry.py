@@ -12,8 +12,9 @@ A ModelServer names its tokenizer with annotations (README, "Annotations"):
 thread when an event loop runs (inline otherwise) and drops tokenizers no server uses.
 At most `MAX_TOKENIZERS` distinct specs are held. A spec that fails to load is logged as
 an error once, naming the ModelServer and the reason, and `get` answers None for it (the
-precise scorer then has no tokens for that server: no crash, no guess); it is retried when
-the annotations change.
+precise scorer then falls back to the approximate index for that server,
+`router.scheduling.fallback`: no crash, no guess); it is retried when the annotations
+change. `state(server)` says which of none / loading / loaded / failed applies.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import logging
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, Literal
 
 from router.resources import ModelServer
 from router.tokenization.source import TokenizerNotFound
@@ -35,6 +36,7 @@ log = logging.getLogger("pdgate.tokenization")
 TOKENIZER_ANNOTATION: Final = "pdgate.io/tokenizer"
 REVISION_ANNOTATION: Final = "pdgate.io/tokenizer-revision"
 CHAT_TEMPLATE_ANNOTATION: Final = "pdgate.io/chat-template"
+TokenizerState = Literal["none", "loading", "loaded", "failed"]
 #: Distinct tokenizers held at once (each holds its vocabulary and memos).
 MAX_TOKENIZERS: Final = 16
 
@@ -86,6 +88,20 @@ class TokenizerRegistry:
         """The server's tokenizer, or None (none configured, still loading, or broken)."""
         spec = self._by_server.get(server.meta.key)
         return None if spec is None else self._loaded.get(spec)
+
+    def state(self, server: ModelServer) -> TokenizerState:
+        """Where the server's tokenizer stands: `none` (no annotation), `loading`,
+        `loaded` or `failed` (see `error`). A few dict lookups: fine per request."""
+        spec = self._by_server.get(server.meta.key)
+        if spec is None:
+            return "none"
+        if spec in self._loaded:
+            return "loaded"
+        return "failed" if spec in self._failed else "loading"
+
+    def spec(self, server: ModelServer) -> TokenizerSpec | None:
+        """The spec the server's annotations name, loaded or not."""
+        return self._by_server.get(server.meta.key)
 
     def error(self, server: ModelServer) -> str | None:
         spec = self._by_server.get(server.meta.key)
@@ -144,8 +160,9 @@ class TokenizerRegistry:
         with self._lock:
             self._failed[spec] = reason
         log.error(
-            "ModelServer %s: tokenizer %r unavailable: %s; precise prefix-cache scoring has "
-            "no tokens for it until this is fixed", ", ".join(names), spec.source, reason,
+            "ModelServer %s: tokenizer %r unavailable: %s; precise prefix-cache scoring "
+            "falls back to the approximate index for it until this is fixed",
+            ", ".join(names), spec.source, reason,
         )
 
     async def wait_loaded(self) -> None:

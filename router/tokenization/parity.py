@@ -66,6 +66,8 @@ PROBE_TIMEOUT_S: Final = 5.0
 MAX_CONCURRENT_PROBES: Final = 4
 #: While a tokenizer is still loading, look again after this long.
 LOADING_POLL_S: Final = 0.2
+#: A pod whose probe failed (timeout, refused, 5xx; not a 404) is probed again this soon.
+UNKNOWN_RETRY_S: Final = 10.0
 #: Token ids shown on each side of the first difference in the warning.
 DIFF_CONTEXT: Final = 3
 TOKENIZE_PATH: Final = "/tokenize"
@@ -221,7 +223,13 @@ class ParityProber:
                 continue
             for pod in pods.endpoints():
                 last = self._pods.get(pod.key)
-                if full_round or last is None or last.tokenizer is not tokenizer:
+                if (
+                    full_round
+                    or last is None
+                    or last.tokenizer is not tokenizer
+                    or (last.status == "unknown" and not last.no_route
+                        and now >= last.at + UNKNOWN_RETRY_S)
+                ):
                     todo.append((server, pod, tokenizer))
         if full_round:
             self._next_round = now + self.interval_s
@@ -238,8 +246,7 @@ class ParityProber:
             while True:
                 self._wake.clear()
                 await self.probe_due(session)
-                loading = self._any_loading()
-                wait = LOADING_POLL_S if loading else max(0.0, self._next_round - self._clock())
+                wait = LOADING_POLL_S if self._any_loading() else self._until_due()
                 # Not `wait_for`: on 3.11 it swallows a cancel that lands as the event is
                 # set (a view change during shutdown), and the loop would go on forever.
                 try:
@@ -247,6 +254,14 @@ class ParityProber:
                         await self._wake.wait()
                 except TimeoutError:
                     pass
+
+    def _until_due(self) -> float:
+        """Seconds until the next round or the next retry of a failed probe."""
+        due = self._next_round
+        for result in self._pods.values():
+            if result.status == "unknown" and not result.no_route:
+                due = min(due, result.at + UNKNOWN_RETRY_S)
+        return max(0.0, due - self._clock())
 
     def _any_loading(self) -> bool:
         return any(
@@ -328,17 +343,23 @@ class ParityProber:
         pods = self._snapshot.servers.get(key)
         if pods is None or pod not in pods.endpoints():
             return  # the pod left while it was probed
-        self._pods[pod.key] = result
         if self._probes is not None:
             self._probes.labels(result.status).inc()
         if result.status == "mismatch" and self._mismatch_counter is not None:
             self._mismatch_counter.labels(*key).inc()
+        last = self._pods.get(pod.key)
         if result.no_route and key not in self._no_route_logged:
             self._no_route_logged.add(key)
             log.warning(
                 "ModelServer %s/%s: tokenizer parity unknown: %s; precise prefix-cache "
                 "scoring runs unverified for it", key[0], key[1], result.detail,
             )
+        elif result.status == "unknown" and not result.no_route and (
+            last is None or last.status != "unknown"
+        ):
+            log.warning("ModelServer %s/%s: tokenizer parity probe failed, retrying in %.0f s:"
+                        " %s", key[0], key[1], UNKNOWN_RETRY_S, result.detail)
+        self._pods[pod.key] = result
         self._refresh(key)
 
     def _refresh(self, key: tuple[str, str]) -> None:

@@ -8,8 +8,12 @@ A ModelServer names its tokenizer with annotations (README, "Annotations"):
 - `pdgate.io/chat-template`: a Jinja file that replaces the tokenizer's template (vLLM's
   `--chat-template`); a relative path is relative to the router's working directory.
 
-`on_snapshot` (subscribed to the `ClusterView`) loads each new spec on a background
+`on_snapshot` (subscribed to the `ClusterView`) loads each new spec on one background
 thread when an event loop runs (inline otherwise) and drops tokenizers no server uses.
+One thread, one load at a time: parsing a 128k-entry `tokenizer.json` holds the GIL for
+a second or more, and two at once starved the event loop for over five seconds on a
+2-core machine. Specs that differ only in their chat template share one vocabulary
+(`ModelTokenizer.with_chat_template`): loaded once.
 At most `MAX_TOKENIZERS` distinct specs are held. A spec that fails to load is logged as
 an error once, naming the ModelServer and the reason, and `get` answers None for it (the
 precise scorer then falls back to the approximate index for that server,
@@ -23,7 +27,9 @@ import asyncio
 import logging
 import threading
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Final, Literal
 
 from router.resources import ModelServer
@@ -37,6 +43,8 @@ TOKENIZER_ANNOTATION: Final = "pdgate.io/tokenizer"
 REVISION_ANNOTATION: Final = "pdgate.io/tokenizer-revision"
 CHAT_TEMPLATE_ANNOTATION: Final = "pdgate.io/chat-template"
 TokenizerState = Literal["none", "loading", "loaded", "failed"]
+#: Threads loading tokenizers (one: see the module docstring).
+LOADER_THREADS: Final = 1
 #: Distinct tokenizers held at once (each holds its vocabulary and memos).
 MAX_TOKENIZERS: Final = 16
 
@@ -83,6 +91,7 @@ class TokenizerRegistry:
         self._loading: set[TokenizerSpec] = set()
         self._lock = threading.Lock()
         self._tasks: set[asyncio.Future[None]] = set()
+        self._executor = ThreadPoolExecutor(LOADER_THREADS, thread_name_prefix="pdgate-tokenizer")
 
     def get(self, server: ModelServer) -> ModelTokenizer | None:
         """The server's tokenizer, or None (none configured, still loading, or broken)."""
@@ -139,13 +148,20 @@ class TokenizerRegistry:
             return
         with self._lock:
             self._loading.add(spec)
-        future = loop.run_in_executor(None, self._load, spec, names)
+        future = loop.run_in_executor(self._executor, self._load, spec, names)
         self._tasks.add(future)
         future.add_done_callback(self._tasks.discard)
 
     def _load(self, spec: TokenizerSpec, names: list[str]) -> None:
         try:
-            tokenizer = self._loader(spec)
+            sibling = self._sibling(spec) if self._loader is load_spec else None
+            tokenizer = (
+                self._loader(spec)
+                if sibling is None
+                else sibling.with_chat_template(
+                    None if spec.chat_template is None else Path(spec.chat_template)
+                )
+            )
         except (TokenizerNotFound, TokenizerLoadError, OSError, ValueError) as exc:
             self._fail(spec, names, str(exc))
         else:
@@ -155,6 +171,14 @@ class TokenizerRegistry:
         finally:
             with self._lock:
                 self._loading.discard(spec)
+
+    def _sibling(self, spec: TokenizerSpec) -> ModelTokenizer | None:
+        """A loaded tokenizer of the same files (another chat template), if any."""
+        with self._lock:
+            for other, tokenizer in self._loaded.items():
+                if (other.source, other.revision) == (spec.source, spec.revision):
+                    return tokenizer
+        return None
 
     def _fail(self, spec: TokenizerSpec, names: list[str], reason: str) -> None:
         with self._lock:

@@ -28,7 +28,9 @@ from benchmarks.procs import StartupError
 from benchmarks.results import RouterResources, RunRecord, read_raw, write_raw
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-PHASES = ("overhead", "scheduling")
+PHASES = ("overhead", "scheduling", "tokenization")
+#: Iterations per case of the tokenization phase (in-process, a few seconds in all).
+TOKENIZATION_ITERATIONS = {"quick": 15, "full": 30}
 MODES: tuple[Mode, ...] = ("agg", "pd")
 #: Wall-clock budgets: no new run starts after them (a run in progress finishes).
 QUICK_BUDGET_S = 160.0
@@ -68,7 +70,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--quick", action="store_true", help="the short preset (under 3 minutes)")
     add("--out", type=Path, help="output directory (default: benchmarks/results/<date>[-quick])")
     add("--seed", type=int, default=0, help="workload and arrival seed")
-    add("--phases", default=",".join(PHASES), help="comma list of: overhead, scheduling")
+    add("--phases", default=",".join(PHASES),
+        help="comma list of: overhead, scheduling, tokenization")
     add("--modes", default=",".join(MODES), help="comma list of: agg, pd")
     add("--pdgate-policies",
         help=f"comma list of: {', '.join(PDGATE_POLICIES)} (default: all; quick: "
@@ -149,6 +152,17 @@ async def _run(bench: Bench, phases: list[str], modes: list[Mode]) -> None:
             logging.getLogger("benchmarks").exception("%s failed", label)
 
 
+def _tokenization(iterations: int, bench: Bench) -> dict[str, list[float]] | None:
+    """The router's tokenization cost per request (`benchmarks.tokenization`), in-process."""
+    from benchmarks import tokenization
+
+    try:
+        return {case: [p50, p90] for case, (p50, p90) in tokenization.run(iterations).items()}
+    except (OSError, ValueError) as exc:  # no tokenizer installed: report, go on
+        bench.skipped.append(f"tokenization: {exc}")
+        return None
+
+
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     try:
         import uvloop
@@ -187,6 +201,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     reporter = BarReporter(planned_runs(config, the_lineup), enabled=not args.no_progress)
     bench = Bench(config, the_lineup, raw, started + budget, reporter)
+    token_costs = (
+        _tokenization(TOKENIZATION_ITERATIONS["quick" if args.quick else "full"], bench)
+        if "tokenization" in phases
+        else None
+    )
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
             runner.run(_run(bench, phases, modes))
@@ -207,6 +226,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "skipped": bench.skipped,
         "method": _method(config),
     }  # fmt: skip
+    if token_costs is not None:
+        meta["tokenization"] = token_costs
     write_raw(raw / "runs.json", meta, bench.runs, bench.resources)
     _write_reports(out, meta, bench.runs, bench.resources)
     print(f"results: {out} ({elapsed:.0f} s)")

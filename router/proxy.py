@@ -235,6 +235,8 @@ class Proxy:
         limit = route.rate_limit
         track_usage = False
         if limit is not None and self.limiter is not None:
+            if limit.input_tokens_per_unit:
+                await self._count_tokens(decision.server, parsed)
             try:
                 await self.limiter.admit(route, parsed)
             except APIError as exc:
@@ -283,6 +285,17 @@ class Proxy:
                 usage = attempt.usage
                 tokens = usage.charged if usage is not None else attempt.output_tokens
                 self.limiter.settle_output(route, tokens)
+
+    async def _count_tokens(self, server: ServerPods, parsed: ParsedRequest) -> None:
+        """The prompt's tokens by the server's tokenizer, once per request (rate limits);
+        left unset when it has none, so the limiter estimates instead."""
+        prompt_ids = getattr(self.scheduler, "prompt_ids", None)
+        if prompt_ids is None or parsed.prompt_tokens is not None:
+            return
+        prompts = await prompt_ids(server, parsed.path, parsed.body)
+        if prompts:
+            parsed.tokens = prompts[0]
+            parsed.prompt_tokens = sum(len(p) for p in prompts)
 
     async def _serve_with_retries(self, attempt: Attempt, out: Responder) -> None:
         server = attempt.decision.server
@@ -364,7 +377,7 @@ class Proxy:
         out.clock.attempt()
         attempt.attempts += 1
         request = ScheduleRequest(parsed.model, parsed.path, parsed.body, attempt.client_headers,
-                                  flow=parsed.flow)
+                                  parsed.tokens, flow=parsed.flow)
         tracing = self.tracing
         span = None
         if tracing is not None and attempt.span is not None:
@@ -375,6 +388,7 @@ class Proxy:
             if prepare is not None:
                 await prepare(server, request)  # big prompts: tokenized off the event loop
             pick = self.scheduler.pick(server, request, frozenset(avoid))
+            parsed.tokens = request.tokens  # a retry does not tokenize again
             if span is not None and pick is not None:
                 span.set_attributes(_pick_attributes(pick))
         finally:

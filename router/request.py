@@ -7,7 +7,7 @@ endpoint needs, with sampling fields inside the bounds of `sampling_bounds`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
@@ -55,7 +55,12 @@ class ApiEndpoint:
 
 @dataclass(slots=True)
 class ParsedRequest:
-    """A validated request: the body as a dict plus the fields routing reads."""
+    """A validated request: the body as a dict plus the fields routing reads.
+
+    `tokens` / `prompt_tokens`: the first prompt's token ids and the token count of every
+    prompt, by the chosen ModelServer's tokenizer, once someone computed them (the rate
+    limiter or the scheduler, whichever needs them first); never computed twice.
+    """
 
     path: str
     body: dict[str, Any]
@@ -63,6 +68,8 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     endpoint: ApiEndpoint | None = None  # None: chat/completions built by hand (tests)
+    tokens: Sequence[int] | None = None  # the prompt's token ids, once computed
+    prompt_tokens: int | None = None  # by the server's tokenizer (rate limits)
 
     @property
     def flow(self) -> Flow:

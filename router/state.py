@@ -20,6 +20,7 @@ from router.scheduling import Scheduler
 from router.scheduling.runtime import build_scheduler
 from router.security import Security, SecurityConfig
 from router.sources.base import Source
+from router.sources.kube_events import EventRecorder, model_server_notifier
 from router.tracing import tracing_from_env
 from router.upstream import Upstream
 from router.view import ClusterView, Snapshot
@@ -104,6 +105,10 @@ class AppState:
                     registry=self.registry,
                 )
             )
+        for source in self.sources:  # tokenizer mismatches become Kubernetes Events too
+            recorder = getattr(source, "recorder", None)
+            if isinstance(recorder, EventRecorder):
+                self.scheduler_runtime.parity.set_notifier(model_server_notifier(recorder))
         for source in self.sources:
             self._tasks.append(asyncio.create_task(source.run(self.view)))
         self._tasks.append(asyncio.create_task(self.config_watch.run()))

@@ -37,6 +37,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from router.scheduling import Pick, ScheduleRequest
 from router.scheduling.block_hash import CHAT_PATH
@@ -186,6 +187,10 @@ def _take_report(ctx: PickContext) -> _PrefixReport:
     return report
 
 
+def _endpoint(path: str, body: dict[str, Any]) -> Prompt:
+    return "chat" if path == CHAT_PATH or isinstance(body.get("messages"), list) else "completion"
+
+
 def _choose(rng_index: Callable[[int], int], costs: Sequence[float], tolerance: float) -> int:
     best = min(costs)
     limit = best + tolerance
@@ -241,31 +246,40 @@ class PipelineScheduler:
     async def prepare(self, server: ServerPods, request: ScheduleRequest) -> None:
         """Tokenize a big prompt off the event loop when the precise scorer will need it."""
         deps = self.deps
-        pool, registry = deps.tokenize_pool, deps.tokenizers
+        pool = deps.tokenize_pool
         if (
             request.flow == "single"
             or request.tokens is not None
             or pool is None
-            or registry is None
             or not self._profiles.config.precise_enabled
+            or (deps.fallback is not None and deps.fallback.reason(server.server) is not None)
         ):
             return
-        tokenizer = registry.get(server.server)
-        if tokenizer is None:
-            return
-        endpoint: Prompt = (
-            "chat"
-            if request.path == CHAT_PATH or isinstance(request.body.get("messages"), list)
-            else "completion"
-        )
-        if prompt_chars(endpoint, request.body) < pool.min_chars:
+        if prompt_chars(_endpoint(request.path, request.body), request.body) < pool.min_chars:
             return  # cheaper inline, in `pick`
-        try:
-            prompts = await pool.request_ids(tokenizer, endpoint, request.body)
-        except ChatInputError:
-            return
+        prompts = await self.prompt_ids(server, request.path, request.body)
         if prompts:
             request.tokens = prompts[0]
+
+    async def prompt_ids(
+        self, server: ServerPods, path: str, body: dict[str, Any]
+    ) -> list[tuple[int, ...]] | None:
+        """Every prompt's token ids by the server's own tokenizer (off the event loop when
+        big), or None: no tokenizer loaded for it, or a body it cannot tokenize (the engine
+        will say why). The proxy calls this at most once per request (the rate limiter's
+        input tokens) and hands the first prompt's ids to `pick` (`ScheduleRequest.tokens`)."""
+        deps = self.deps
+        registry = deps.tokenizers
+        tokenizer = None if registry is None else registry.get(server.server)
+        if tokenizer is None:
+            return None
+        endpoint = _endpoint(path, body)
+        try:
+            if deps.tokenize_pool is None:
+                return tokenizer.request_ids(endpoint, body)
+            return await deps.tokenize_pool.request_ids(tokenizer, endpoint, body)
+        except ChatInputError:
+            return None
 
     def pick(
         self, server: ServerPods, request: ScheduleRequest, avoid: frozenset[str]

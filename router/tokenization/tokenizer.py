@@ -171,6 +171,23 @@ class ModelTokenizer:
         except ChatTemplateError as exc:
             raise TokenizerLoadError(str(exc)) from exc
 
+    def with_chat_template(self, chat_template_file: Path | None) -> ModelTokenizer:
+        """The same vocabulary (shared, not reloaded: loading one holds the GIL for
+        seconds) with another `--chat-template` file (None: the tokenizer's own)."""
+        template: str | None = None
+        if chat_template_file is not None:
+            try:
+                template = chat_template_file.read_text(encoding="utf-8")
+            except OSError as exc:
+                raise TokenizerLoadError(f"chat template {chat_template_file}: {exc}") from exc
+        try:
+            return ModelTokenizer(
+                self._backend, self.config, name=self.name, chat_template=template,
+                piecewise=self.piecewise,
+            )
+        except ChatTemplateError as exc:
+            raise TokenizerLoadError(str(exc)) from exc
+
     @classmethod
     def load(
         cls,

@@ -16,6 +16,12 @@
 
 ttft scale: T x `prefill_s_per_token` (T = the prompt's tokens, exact here), so the
 weighted shortfall is the prefill time of the uncached part, store hits charged (1 - f).
+
+Fallback: for a ModelServer whose tokens cannot be trusted (no tokenizer, one that failed
+to load or is loading, or a failed parity check against the engine's `/tokenize`:
+`router.scheduling.fallback`), the score is the approximate `prefix-cache` score
+(m_p / B over the approximate index) and the chosen pod is recorded there, so that server
+keeps cache-aware routing; `pdgate_precise_fallback` says which servers and why.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from typing import ClassVar
 from router.scheduling.context import Candidates, PickContext
 from router.scheduling.kv_events import scope_of
 from router.scheduling.scorers.base import Param, Scorer
+from router.scheduling.scorers.prefix_cache import approximate_scores, record_approximate
 
 
 class PrecisePrefixCacheScorer(Scorer):
@@ -32,7 +39,13 @@ class PrecisePrefixCacheScorer(Scorer):
     affinity = True
     PARAMS: ClassVar = {"storeHitFactor": Param(float, 0.7, 0.0, 1.0)}
 
+    def _fallen_back(self, ctx: PickContext) -> bool:
+        fallback = self.deps.fallback
+        return fallback is not None and fallback.reason(ctx.server.server) is not None
+
     def score(self, ctx: PickContext, cands: Candidates) -> list[float]:
+        if self._fallen_back(ctx):
+            return approximate_scores(ctx, cands, self.deps.approx)
         scope = scope_of(ctx.server)
         hashes = ctx.prompt.precise_hashes(self.deps.precise.space(scope))
         total = len(hashes)
@@ -51,3 +64,7 @@ class PrecisePrefixCacheScorer(Scorer):
 
     def scale_s(self, ctx: PickContext, cands: Candidates) -> float:
         return ctx.prompt.token_count() * ctx.cost.prefill_s_per_token
+
+    def picked(self, ctx: PickContext, cands: Candidates, index: int) -> None:
+        if self._fallen_back(ctx):
+            record_approximate(ctx, cands, index, self.deps.approx)

@@ -16,8 +16,33 @@ When the request is dispatched, the prompt's blocks are recorded for the chosen 
 
 from __future__ import annotations
 
+from router.scheduling.approx_index import ApproximatePrefixIndex
 from router.scheduling.context import Candidates, PickContext
 from router.scheduling.scorers.base import Scorer
+
+
+def approximate_scores(
+    ctx: PickContext, cands: Candidates, index: ApproximatePrefixIndex
+) -> list[float]:
+    """s_p = m_p / B (the module docstring); also what `precise-prefix-cache` falls back to."""
+    hashes = ctx.prompt.approx_hashes()
+    total = len(hashes)
+    ctx.approx_hashes = total
+    if not total:
+        ctx.approx_depths = [0] * len(cands)
+        return [0.0] * len(cands)
+    depths = index.match(cands.keys, hashes)
+    ctx.approx_depths = depths
+    return [depth / total for depth in depths]
+
+
+def record_approximate(
+    ctx: PickContext, cands: Candidates, chosen: int, index: ApproximatePrefixIndex
+) -> None:
+    """The prompt's approximate blocks now (likely) sit in the chosen pod's cache."""
+    hashes = ctx.prompt.approx_hashes()
+    if hashes:
+        index.record(cands.keys[chosen], hashes)
 
 
 class PrefixCacheScorer(Scorer):
@@ -25,20 +50,10 @@ class PrefixCacheScorer(Scorer):
     affinity = True
 
     def score(self, ctx: PickContext, cands: Candidates) -> list[float]:
-        hashes = ctx.prompt.approx_hashes()
-        total = len(hashes)
-        ctx.approx_hashes = total
-        if not total:
-            ctx.approx_depths = [0] * len(cands)
-            return [0.0] * len(cands)
-        depths = self.deps.approx.match(cands.keys, hashes)
-        ctx.approx_depths = depths
-        return [depth / total for depth in depths]
+        return approximate_scores(ctx, cands, self.deps.approx)
 
     def scale_s(self, ctx: PickContext, cands: Candidates) -> float:
         return ctx.prompt.token_count() * ctx.cost.prefill_s_per_token
 
     def picked(self, ctx: PickContext, cands: Candidates, index: int) -> None:
-        hashes = ctx.prompt.approx_hashes()
-        if hashes:
-            self.deps.approx.record(cands.keys[index], hashes)
+        record_approximate(ctx, cands, index, self.deps.approx)

@@ -118,6 +118,10 @@ def _method(config: BenchConfig) -> list[str]:
         f"of the fastest router's max at c=64, {config.sweep.seconds:g} s per level and "
         "router; "
         "arrivals beyond 512 in flight are shed and counted as `client_overload` errors.",
+        f"- Overload: open-loop Poisson at "
+        f"{', '.join(f'{m:g}x' for m in config.overload.multiples)} of pdgate's own max at "
+        f"c=64 (median of its rounds), {config.overload.seconds:g} s per level and router, "
+        f"modes {', '.join(config.overload.modes)}.",
         f"- Scheduling: {s.pd_groups} PD groups (pdgate pairs inside a group; vLLM Router "
         f"pairs any prefill with any decode) or {s.agg_pods} aggregated pods, simulator latency "
         f"model on, flags `{' '.join(s.sim_flags)}`; closed loop at concurrency "
@@ -219,6 +223,7 @@ def _write_reports(
     over = figures.overhead_rows(runs, resources)
     sweep = figures.sweep_points(runs)
     sched = figures.scheduling_rows(runs, resources)
+    overload = figures.overload_points(runs)
     # Colours and bar order: direct, then pdgate's policies, then the peers.
     kinds = ("direct", "pdgate", "vllm-router", "sglang-router")
     names = [r.router for kind in kinds for r in runs if r.kind == kind]
@@ -235,7 +240,9 @@ def _write_reports(
     for name, draw in drawers:
         if draw(out / name):
             drawn.append(name)
-    (out / "README.md").write_text(report.render(meta, over, sweep, sched, drawn))
+    (out / "README.md").write_text(report.render(meta, over, sweep, sched, drawn,
+                                                       overload))
     summary = {"meta": meta, **figures.headline(over, sched),
-               "sweep": [asdict(p) for p in sweep]}
+               "sweep": [asdict(p) for p in sweep],
+               "overload": [{**asdict(p), "share": p.share} for p in overload]}
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))

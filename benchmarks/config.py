@@ -45,6 +45,17 @@ class SweepConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class OverloadConfig:
+    """Past saturation: open-loop Poisson at multiples of pdgate's own closed-loop maximum
+    (median of its overhead rounds), every router at the same rates, interleaved. Goodput
+    (successful requests per second) is reported as a share of that maximum."""
+
+    multiples: tuple[float, ...]
+    seconds: float
+    modes: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class SchedulingConfig:
     """Prefix-cache-sensitive workloads on engines with the latency model on."""
 
@@ -76,6 +87,7 @@ class BenchConfig:
     request_timeout: float
     overhead: OverheadConfig
     sweep: SweepConfig
+    overload: OverloadConfig
     scheduling: SchedulingConfig
 
 
@@ -106,6 +118,7 @@ def quick(seed: int = 0) -> BenchConfig:
             params=OverheadParams(requests=8000),
         ),
         sweep=SweepConfig(fractions=(0.4, 0.8, 1.2), seconds=1.5, modes=("pd",)),
+        overload=OverloadConfig(multiples=(1.5, 3.0), seconds=2.0, modes=("agg",)),
         scheduling=SchedulingConfig(
             shared_prefix=SharedPrefixParams(
                 groups=10, questions=5, system_tokens=2048, question_tokens=48, output_tokens=8
@@ -147,6 +160,7 @@ def full(seed: int = 0) -> BenchConfig:
         sweep=SweepConfig(
             fractions=(0.25, 0.5, 0.75, 1.0, 1.25), seconds=3.0, modes=("agg", "pd")
         ),
+        overload=OverloadConfig(multiples=(1.5, 3.0), seconds=4.0, modes=("agg", "pd")),
         scheduling=SchedulingConfig(
             shared_prefix=SharedPrefixParams(
                 groups=10, questions=16, system_tokens=2048, question_tokens=48, output_tokens=16

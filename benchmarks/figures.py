@@ -39,6 +39,28 @@ class SweepPoint:
 
 
 @dataclass(frozen=True, slots=True)
+class OverloadPoint:
+    """One router at one overload level: goodput as a share of pdgate's own maximum."""
+
+    mode: str
+    router: str
+    kind: str
+    multiple: float  # offered / reference
+    reference: float  # pdgate's closed-loop maximum, req/s
+    goodput: float  # successful requests per second of the run's wall time
+    shed: int  # answered 503/429 (refused at once, as asked)
+    timeouts: int  # the client gave up
+    other_errors: int
+    requests: int
+    cpu_per_1k: float | None  # router CPU per 1,000 successful requests
+    e2e_p99: float | None  # of the successful requests
+
+    @property
+    def share(self) -> float:
+        return self.goodput / self.reference if self.reference else 0.0
+
+
+@dataclass(frozen=True, slots=True)
 class SchedulingRow:
     mode: str
     workload: str
@@ -130,6 +152,24 @@ def sweep_points(runs: Sequence[RunRecord]) -> list[SweepPoint]:
                    r.summary.e2e_p50, r.summary.requests - r.summary.ok)
         for r in runs if r.phase == "sweep"
     ]  # fmt: skip
+
+
+def overload_points(runs: Sequence[RunRecord]) -> list[OverloadPoint]:
+    points = []
+    for r in runs:
+        if r.phase != "overload" or not r.reference_rate:
+            continue
+        s = r.summary
+        shed = s.errors.get("http_503", 0) + s.errors.get("http_429", 0)
+        timeouts = s.errors.get("timeout", 0)
+        points.append(OverloadPoint(
+            mode=r.mode, router=r.router, kind=r.kind,
+            multiple=(r.offered_rate or 0.0) / r.reference_rate, reference=r.reference_rate,
+            goodput=s.throughput, shed=shed, timeouts=timeouts,
+            other_errors=s.requests - s.ok - shed - timeouts, requests=s.requests,
+            cpu_per_1k=r.cpu_per_1k, e2e_p99=s.e2e_p99,
+        ))  # fmt: skip
+    return points
 
 
 def scheduling_rows(

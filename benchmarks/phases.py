@@ -178,6 +178,8 @@ class Bench:
                     )  # fmt: skip
             if mode in self.config.sweep.modes:
                 await self._sweep(mode, cluster, started, workload)
+            if mode in self.config.overload.modes:
+                await self._overload(mode, cluster, started, workload)
         for router in started:
             if router.peak_rss is not None:
                 self.resources.append(RouterResources(
@@ -226,6 +228,32 @@ class Bench:
                     return
                 record = self._record("sweep", mode, router, workload, level, None)
                 record.offered_rate = rate
+                await self._measure(router, cluster, record, workload.sessions[:count],
+                                    self._limits(cfg.seconds), rate=rate)
+
+    async def _overload(
+        self, mode: Mode, cluster: SimCluster, routers: list[RunningRouter], workload: Workload
+    ) -> None:
+        """Open loop at multiples of pdgate's own maximum (see `OverloadConfig`)."""
+        cfg = self.config.overload
+        pdgate = median([r.summary.throughput for r in self.runs
+                         if r.phase == "overhead-throughput" and r.mode == mode
+                         and r.kind == "pdgate"])
+        if not pdgate:
+            self.skipped.append(f"overload {mode}: no pdgate maximum measured")
+            return
+        for level, multiple in enumerate(cfg.multiples):
+            rate = multiple * pdgate
+            count = min(len(workload.sessions), int(rate * cfg.seconds * 1.5) + 16)
+            order = routers if level % 2 == 0 else routers[::-1]
+            for router in order:
+                if router.spec.kind == "direct":
+                    continue
+                if self._out_of_time(f"overload {mode} x{multiple:g}"):
+                    return
+                record = self._record("overload", mode, router, workload, level, None)
+                record.offered_rate = rate
+                record.reference_rate = pdgate
                 await self._measure(router, cluster, record, workload.sessions[:count],
                                     self._limits(cfg.seconds), rate=rate)
 
@@ -305,6 +333,8 @@ def planned_runs(config: BenchConfig, lineup: Lineup) -> int:
         total += 2 * count * config.overhead.rounds
         if mode in config.sweep.modes:
             total += count * len(config.sweep.fractions)
+        if mode in config.overload.modes:
+            total += count * len(config.overload.multiples)
     for mode, specs in lineup.scheduling.items():
         count = sum(1 for s in specs if s.supports(mode))
         total += count * len(config.scheduling.workloads)

@@ -4,7 +4,7 @@ Defaults suit a cluster: a pod is ejected after five failures in a row and probe
 after 5 s (doubling while it keeps failing, up to 2 minutes); every pod's `/health` is
 checked every 5 s; admission bounds requests in flight to 256 per serving pod (vLLM's
 default `max_num_seqs`) and below that to what the router's event loop keeps up with
-(a 20 ms lag target); retries in flight
+(a 50 ms lag target, never below 64); retries in flight
 may reach 20 % of the requests in flight, and at least 3 (Envoy's retry budget); a SIGTERM
 drains for up to 30 s.
 """
@@ -35,9 +35,9 @@ class ResilienceConfig:
     #: What one engine runs at once: vLLM's default `max_num_seqs` (256).
     inflight_per_pod: int = 256
     #: The adaptive limit's target for the event loop's lag, seconds (0: no adaptive limit).
-    loop_lag_target_s: float = 0.02
+    loop_lag_target_s: float = 0.05
     #: The adaptive limit never goes below this many requests in flight.
-    min_inflight: int = 32
+    min_inflight: int = 64
     max_inflight_per_model: int = 0
     max_queue: int = 0
     queue_timeout_s: float = 5.0

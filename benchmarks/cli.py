@@ -28,7 +28,7 @@ from benchmarks.procs import StartupError
 from benchmarks.results import RouterResources, RunRecord, read_raw, write_raw
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-PHASES = ("overhead", "scheduling")
+PHASES = ("overhead", "streaming", "scheduling")
 MODES: tuple[Mode, ...] = ("agg", "pd")
 #: Wall-clock budgets: no new run starts after them (a run in progress finishes).
 QUICK_BUDGET_S = 160.0
@@ -68,7 +68,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--quick", action="store_true", help="the short preset (under 3 minutes)")
     add("--out", type=Path, help="output directory (default: benchmarks/results/<date>[-quick])")
     add("--seed", type=int, default=0, help="workload and arrival seed")
-    add("--phases", default=",".join(PHASES), help="comma list of: overhead, scheduling")
+    add("--phases", default=",".join(PHASES), help="comma list of: overhead, streaming, scheduling")
     add("--modes", default=",".join(MODES), help="comma list of: agg, pd")
     add("--pdgate-policies",
         help=f"comma list of: {', '.join(PDGATE_POLICIES)} (default: all; quick: "
@@ -122,6 +122,11 @@ def _method(config: BenchConfig) -> list[str]:
         f"{', '.join(f'{m:g}x' for m in config.overload.multiples)} of pdgate's own max at "
         f"c=64 (median of its rounds), {config.overload.seconds:g} s per level and router, "
         f"modes {', '.join(config.overload.modes)}.",
+        f"- Streaming: {config.streaming.output_tokens}-token streams "
+        f"{config.streaming.itl_ms:g} ms apart from {config.streaming.agg_pods} aggregated "
+        f"pods, closed loop at {', '.join(map(str, config.streaming.concurrencies))} streams, "
+        f"{config.streaming.seconds:g} s per router and level; the direct floor streams "
+        "straight from one pod.",
         f"- Scheduling: {s.pd_groups} PD groups (pdgate pairs inside a group; vLLM Router "
         f"pairs any prefill with any decode) or {s.agg_pods} aggregated pods, simulator latency "
         f"model on, flags `{' '.join(s.sim_flags)}`; closed loop at concurrency "
@@ -142,6 +147,8 @@ async def _run(bench: Bench, phases: list[str], modes: list[Mode]) -> None:
     steps: list[tuple[str, Callable[[], Awaitable[None]]]] = []
     if "overhead" in phases:
         steps += [(f"overhead {m}", partial(bench.overhead_and_sweep, m)) for m in modes]
+    if "streaming" in phases:
+        steps += [(f"streaming {m}", partial(bench.streaming, m)) for m in modes]
     if "scheduling" in phases:
         steps += [(f"scheduling {m}", partial(bench.scheduling, m))
                   for m in sorted(modes, reverse=True)]  # pd first
@@ -179,7 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     the_lineup = lineup(modes, policies, config.scheduling.include_agg,
                         config.scheduling.prefill_ms_per_token)
-    if "overhead" not in phases:
+    if "overhead" not in phases and "streaming" not in phases:
         the_lineup = type(the_lineup)(overhead={}, scheduling=the_lineup.scheduling)
     if "scheduling" not in phases:
         the_lineup = type(the_lineup)(overhead=the_lineup.overhead, scheduling={})
@@ -224,6 +231,7 @@ def _write_reports(
     sweep = figures.sweep_points(runs)
     sched = figures.scheduling_rows(runs, resources)
     overload = figures.overload_points(runs)
+    streaming = figures.streaming_rows(runs)
     # Colours and bar order: direct, then pdgate's policies, then the peers.
     kinds = ("direct", "pdgate", "vllm-router", "sglang-router")
     names = [r.router for kind in kinds for r in runs if r.kind == kind]
@@ -241,8 +249,9 @@ def _write_reports(
         if draw(out / name):
             drawn.append(name)
     (out / "README.md").write_text(report.render(meta, over, sweep, sched, drawn,
-                                                       overload))
+                                                       overload, streaming))
     summary = {"meta": meta, **figures.headline(over, sched),
                "sweep": [asdict(p) for p in sweep],
-               "overload": [{**asdict(p), "share": p.share} for p in overload]}
+               "overload": [{**asdict(p), "share": p.share} for p in overload],
+               "streaming": [asdict(r) for r in streaming]}
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))

@@ -9,6 +9,7 @@ from benchmarks.figures import (
     OverheadRow,
     OverloadPoint,
     SchedulingRow,
+    StreamingRow,
     SweepPoint,
     best_pdgate,
 )
@@ -50,6 +51,7 @@ def render(
     scheduling: Sequence[SchedulingRow],
     plots: Sequence[str],
     overload: Sequence[OverloadPoint] = (),
+    streaming: Sequence[StreamingRow] = (),
 ) -> str:
     out: list[str] = [
         f"# pdgate benchmark: {meta['date']} ({meta['preset']})",
@@ -66,6 +68,7 @@ def render(
     out += _overhead_section(overhead)
     out += _sweep_section(sweep)
     out += _overload_section(overload)
+    out += _streaming_section(streaming)
     out += _scheduling_section(scheduling)
     out += _resources_section(overhead, scheduling)
     if plots:
@@ -209,6 +212,43 @@ def _overload_section(points: Sequence[OverloadPoint]) -> list[str]:
                 out += ["", f"At {multiple:g}x: pdgate / vLLM Router goodput "
                             f"{_x(ratio(pd.goodput, vl.goodput))}, CPU per success "
                             f"{_x(ratio(pd.cpu_per_1k, vl.cpu_per_1k))}."]
+        out.append("")
+    return out
+
+
+def _streaming_section(rows: Sequence[StreamingRow]) -> list[str]:
+    if not rows:
+        return []
+    out = [
+        "## Streaming (long streams, closed loop)",
+        "",
+        "Chunks relayed per second, router CPU per 1,000 content chunks, and the TTFT and ITL "
+        "the client sees, added over the direct floor at the same concurrency.",
+        "",
+    ]
+    for mode in dict.fromkeys(r.mode for r in rows):
+        mine = sorted((r for r in rows if r.mode == mode), key=lambda r: r.concurrency)
+        out += [f"### {MODE_TITLE.get(mode, mode)}", ""]
+        out += _table(
+            ["streams", "router", "chunks/s", "CPU s/1k chunks", "TTFT p50/p99 ms",
+             "added TTFT p50/p99 ms", "ITL p50/p99 ms", "added ITL p50/p99 ms", "errors"],
+            [[str(r.concurrency), r.router, _num(r.chunks_per_s, 0),
+              _num(r.cpu_per_1k_chunks, 3), f"{_ms(r.ttft_p50)}/{_ms(r.ttft_p99)}",
+              f"{_ms(r.added_ttft_p50)}/{_ms(r.added_ttft_p99)}",
+              f"{_ms(r.itl_p50)}/{_ms(r.itl_p99)}",
+              f"{_ms(r.added_itl_p50)}/{_ms(r.added_itl_p99)}", f"{r.errors}/{r.requests}"]
+             for r in mine],
+        )  # fmt: skip
+        for concurrency in dict.fromkeys(r.concurrency for r in mine):
+            pd = next((r for r in mine if r.kind == "pdgate" and r.concurrency == concurrency),
+                      None)
+            vl = next((r for r in mine
+                       if r.kind == "vllm-router" and r.concurrency == concurrency), None)
+            if pd and vl:
+                out += ["", f"{concurrency} streams, pdgate / vLLM Router: CPU per chunk "
+                            f"{_x(ratio(pd.cpu_per_1k_chunks, vl.cpu_per_1k_chunks))}, added "
+                            f"TTFT p50 {_x(ratio(pd.added_ttft_p50, vl.added_ttft_p50))}, "
+                            f"chunks/s {_x(ratio(pd.chunks_per_s, vl.chunks_per_s))}."]
         out.append("")
     return out
 

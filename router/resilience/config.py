@@ -4,7 +4,7 @@ Defaults suit a cluster: a pod is ejected after five failures in a row and probe
 after 5 s (doubling while it keeps failing, up to 2 minutes); every pod's `/health` is
 checked every 5 s; admission bounds requests in flight to 256 per serving pod (vLLM's
 default `max_num_seqs`) and below that to what the router's event loop keeps up with
-(a 50 ms lag target, never below 64); retries in flight
+(a 50 ms lag target, never below 256); retries in flight
 may reach 20 % of the requests in flight, and at least 3 (Envoy's retry budget); a SIGTERM
 drains for up to 30 s.
 """
@@ -37,7 +37,7 @@ class ResilienceConfig:
     #: The adaptive limit's target for the event loop's lag, seconds (0: no adaptive limit).
     loop_lag_target_s: float = 0.05
     #: The adaptive limit never goes below this many requests in flight.
-    min_inflight: int = 64
+    min_inflight: int = 256
     max_inflight_per_model: int = 0
     max_queue: int = 0
     queue_timeout_s: float = 5.0

@@ -28,7 +28,7 @@ from benchmarks.procs import StartupError
 from benchmarks.results import RouterResources, RunRecord, read_raw, write_raw
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-PHASES = ("overhead", "scheduling", "tokenization")
+PHASES = ("overhead", "streaming", "scheduling", "tokenization")
 #: Iterations per case of the tokenization phase (in-process, a few seconds in all).
 TOKENIZATION_ITERATIONS = {"quick": 15, "full": 30}
 MODES: tuple[Mode, ...] = ("agg", "pd")
@@ -71,7 +71,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--out", type=Path, help="output directory (default: benchmarks/results/<date>[-quick])")
     add("--seed", type=int, default=0, help="workload and arrival seed")
     add("--phases", default=",".join(PHASES),
-        help="comma list of: overhead, scheduling, tokenization")
+        help="comma list of: overhead, streaming, scheduling, tokenization")
     add("--modes", default=",".join(MODES), help="comma list of: agg, pd")
     add("--pdgate-policies",
         help=f"comma list of: {', '.join(PDGATE_POLICIES)} (default: all; quick: "
@@ -121,6 +121,15 @@ def _method(config: BenchConfig) -> list[str]:
         f"of the fastest router's max at c=64, {config.sweep.seconds:g} s per level and "
         "router; "
         "arrivals beyond 512 in flight are shed and counted as `client_overload` errors.",
+        f"- Overload: open-loop Poisson at "
+        f"{', '.join(f'{m:g}x' for m in config.overload.multiples)} of pdgate's own max at "
+        f"c=64 (median of its rounds), {config.overload.seconds:g} s per level and router, "
+        f"modes {', '.join(config.overload.modes)}.",
+        f"- Streaming: {config.streaming.output_tokens}-token streams "
+        f"{config.streaming.itl_ms:g} ms apart from {config.streaming.agg_pods} aggregated "
+        f"pods, closed loop at {', '.join(map(str, config.streaming.concurrencies))} streams, "
+        f"{config.streaming.seconds:g} s per router and level; the direct floor streams "
+        "straight from one pod.",
         f"- Scheduling: {s.pd_groups} PD groups (pdgate pairs inside a group; vLLM Router "
         f"pairs any prefill with any decode) or {s.agg_pods} aggregated pods, simulator latency "
         f"model on, flags `{' '.join(s.sim_flags)}`; closed loop at concurrency "
@@ -141,6 +150,8 @@ async def _run(bench: Bench, phases: list[str], modes: list[Mode]) -> None:
     steps: list[tuple[str, Callable[[], Awaitable[None]]]] = []
     if "overhead" in phases:
         steps += [(f"overhead {m}", partial(bench.overhead_and_sweep, m)) for m in modes]
+    if "streaming" in phases:
+        steps += [(f"streaming {m}", partial(bench.streaming, m)) for m in modes]
     if "scheduling" in phases:
         steps += [(f"scheduling {m}", partial(bench.scheduling, m))
                   for m in sorted(modes, reverse=True)]  # pd first
@@ -189,7 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     the_lineup = lineup(modes, policies, config.scheduling.include_agg,
                         config.scheduling.prefill_ms_per_token)
-    if "overhead" not in phases:
+    if "overhead" not in phases and "streaming" not in phases:
         the_lineup = type(the_lineup)(overhead={}, scheduling=the_lineup.scheduling)
     if "scheduling" not in phases:
         the_lineup = type(the_lineup)(overhead=the_lineup.overhead, scheduling={})
@@ -240,6 +251,8 @@ def _write_reports(
     over = figures.overhead_rows(runs, resources)
     sweep = figures.sweep_points(runs)
     sched = figures.scheduling_rows(runs, resources)
+    overload = figures.overload_points(runs)
+    streaming = figures.streaming_rows(runs)
     # Colours and bar order: direct, then pdgate's policies, then the peers.
     kinds = ("direct", "pdgate", "vllm-router", "sglang-router")
     names = [r.router for kind in kinds for r in runs if r.kind == kind]
@@ -256,7 +269,10 @@ def _write_reports(
     for name, draw in drawers:
         if draw(out / name):
             drawn.append(name)
-    (out / "README.md").write_text(report.render(meta, over, sweep, sched, drawn))
+    (out / "README.md").write_text(report.render(meta, over, sweep, sched, drawn,
+                                                       overload, streaming))
     summary = {"meta": meta, **figures.headline(over, sched),
-               "sweep": [asdict(p) for p in sweep]}
+               "sweep": [asdict(p) for p in sweep],
+               "overload": [{**asdict(p), "share": p.share} for p in overload],
+               "streaming": [asdict(r) for r in streaming]}
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))

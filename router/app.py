@@ -7,7 +7,9 @@ reports a disconnect only there, and on one the request's task is cancelled, whi
 cancels prefill and decode upstream and releases the in-flight counters.
 
 Before the body is read a data request passes the drain check, the header limits and the
-API key; after parsing, admission control (when bounded). With an admin port, `/metrics`,
+API key; a router at its admission bound with a full queue answers 503 there, before any
+parsing; after parsing, admission control proper (on by default, see admission.py).
+With an admin port, `/metrics`,
 the probes (`/health`, `/healthz`, `/readyz`) and the API's documents (`/docs`, `/redoc`,
 `/openapi.json`) move to a FastAPI app of their own (`build_ops_app`); without one, the
 documents and `/metrics`
@@ -147,6 +149,12 @@ class PDGateApp:
             headers = read_headers(scope["headers"], limits.max_headers, limits.max_header_bytes)
             if state.security.api_keys is not None:
                 state.security.api_keys.check(headers.get("authorization"))
+            if state.resilience.admission.saturated():
+                # Shed before parsing: the body is read (the connection stays usable) but
+                # no JSON is parsed, no route resolved, no counter taken.
+                if await _read_body(receive, limits.max_body_bytes) is not None:
+                    raise state.resilience.admission.refuse_saturated()
+                return
             raw = await _read_body(receive, limits.max_body_bytes)
             if raw is None:
                 return  # the client left before sending its body

@@ -90,7 +90,14 @@ def _add_reliability_flags(serve: argparse.ArgumentParser) -> None:
     add("--unhealthy-threshold", type=int, default=r.unhealthy_threshold,
         help="failed health checks in a row that eject a pod")
     add("--max-inflight", type=int, default=r.max_inflight,
-        help="requests in flight at once (0: unbounded)")
+        help="requests in flight at once (default: --inflight-per-pod x the aggregated and "
+             "decode pods; 0: unbounded, no adaptive limit either)")
+    add("--inflight-per-pod", type=int, default=r.inflight_per_pod,
+        help="what one engine runs at once, to size the default bound (vLLM's max_num_seqs)")
+    add("--loop-lag-target", type=float, default=r.loop_lag_target_s * 1e3,
+        help="ms of event-loop lag above which the adaptive limit sheds load (0: off)")
+    add("--min-inflight", type=int, default=r.min_inflight,
+        help="the adaptive limit's floor")
     add("--max-inflight-per-model", type=int, default=r.max_inflight_per_model,
         help="requests in flight at once per model (0: unbounded)")
     add("--max-queue", type=int, default=r.max_queue,
@@ -161,6 +168,9 @@ def _reliability_configs(
         health_path=args.health_check_path,
         unhealthy_threshold=args.unhealthy_threshold,
         max_inflight=args.max_inflight,
+        inflight_per_pod=args.inflight_per_pod,
+        loop_lag_target_s=args.loop_lag_target / 1e3,
+        min_inflight=args.min_inflight,
         max_inflight_per_model=args.max_inflight_per_model,
         max_queue=args.max_queue,
         queue_timeout_s=args.queue_timeout,

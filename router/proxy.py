@@ -621,7 +621,11 @@ class Proxy:
                         continue
                 if not out.started:
                     await out.start(response.status, headers)
-                await out.body(chunk, more=True)
+                if out.finished:
+                    continue  # after [DONE]: nothing is left to send (the loop reads to EOF)
+                # The chunk that carries [DONE] ends the response itself (one write, the
+                # chunked terminator in it) unless a usage tail may still follow it.
+                await out.body(chunk, more=usage is not None or not _ends_done(end))
                 if CONTENT.search(chunk) is None:
                     continue
                 if itl is None:  # the first token reached the client
@@ -633,6 +637,8 @@ class Proxy:
                     itl.observe(now - last_at)
                     last_at = now
         except aiohttp.ClientError:
+            if out.finished:
+                return  # the engine went away after [DONE]: the client has it all
             if not out.started:
                 raise UpstreamError(
                     "disconnect", "The engine dropped the stream.", retryable=True,
@@ -649,10 +655,11 @@ class Proxy:
                 "empty_response", "The engine closed the stream without data.",
                 retryable=True, pod=pick.decode, phase="decode",
             )
-        if not (ended if responses else end.rstrip().endswith(_DONE)):
+        if not (ended if responses else _ends_done(end)):
             await self._cut_short(pick, out, "truncated", "The engine ended the stream early.")
             return
-        await out.body(b"")
+        if not out.finished:
+            await out.body(b"")
         tokens = usage.tokens if usage is not None else None
         if tokens is not None and tokens > 1 and last_at > first_at:
             self.metrics.output_rate(parsed.model, (tokens - 1) / (last_at - first_at))
@@ -703,6 +710,11 @@ async def _finish_prefill(task: asyncio.Task[Any]) -> None:
         await task
     except (asyncio.CancelledError, UpstreamError):
         pass
+
+
+def _ends_done(tail: bytes) -> bool:
+    """Whether a stream's last bytes are its `data: [DONE]` event."""
+    return tail.rstrip().endswith(_DONE)
 
 
 def _kv_lost(exc: UpstreamError) -> bool:

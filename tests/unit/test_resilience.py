@@ -228,6 +228,49 @@ async def test_a_cancelled_waiter_leaves_the_queue_and_passes_its_slot() -> None
     assert admission.inflight == 0
 
 
+def test_the_default_bound_is_sized_from_the_serving_pods() -> None:
+    admission = Admission(ResilienceConfig(inflight_per_pod=3, max_queue=0,
+                                           loop_lag_target_s=0))
+    assert admission.enabled
+    admission.size_for(2)  # two aggregated or decode pods
+    assert admission.max_inflight == 6
+    for _ in range(6):
+        assert admission.try_enter("m")
+    assert not admission.try_enter("m") and admission.saturated()
+    assert admission.refuse_saturated().status == 503
+    admission.size_for(3)  # a pod came up: room again
+    assert not admission.saturated() and admission.try_enter("m")
+    admission.size_for(0)  # no pods yet still bounds, at one pod's worth
+    assert admission.max_inflight == 3
+    off = Admission(ResilienceConfig(max_inflight=0))
+    off.size_for(4)
+    assert not off.enabled and off.max_inflight == 0 and not off.saturated()
+
+
+def test_the_adaptive_limit_follows_the_loop_lag() -> None:
+    admission = Admission(ResilienceConfig(inflight_per_pod=100, min_inflight=10,
+                                           loop_lag_target_s=0.02, max_queue=0))
+    admission.size_for(4)
+    adaptive = admission.adaptive
+    assert admission.max_inflight == 400
+    for _ in range(200):
+        admission.try_enter("m")
+    for _ in range(4):
+        adaptive.observe(0.2)  # the loop runs 10x behind its target: shed
+    assert admission.max_inflight < 200
+    assert admission.saturated() and not admission.try_enter("m")
+    for _ in range(50):
+        adaptive.observe(0.0)  # quiet again: the limit climbs back to the ceiling
+    assert admission.max_inflight == 400
+    assert admission.try_enter("m")
+    idle = Admission(ResilienceConfig(inflight_per_pod=100, min_inflight=10,
+                                      loop_lag_target_s=0.02))
+    idle.size_for(1)
+    for _ in range(10):
+        idle.adaptive.observe(1.0)  # lag with nothing in flight: never below the floor
+    assert idle.max_inflight == 10
+
+
 # --- drain --------------------------------------------------------------------------
 
 

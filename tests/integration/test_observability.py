@@ -334,6 +334,10 @@ def _label_values(base: str, selector: str, label: str) -> list[str]:
         return list(json.loads(response.read())["data"])
 
 
+#: Discovery's 5 s update throttle plus a scrape interval, with room for a loaded machine.
+PROMETHEUS_FIRST_SCRAPE_S = 30.0
+
+
 @pytest.fixture
 def prometheus(observed: tuple[FaultCluster, Router], tmp_path: Path) -> Iterator[str]:
     """Debian's prometheus binary scraping the router every second, on its own port."""
@@ -357,6 +361,14 @@ def prometheus(observed: tuple[FaultCluster, Router], tmp_path: Path) -> Iterato
     base = f"http://127.0.0.1:{port}"
     try:
         wait_http(f"{base}/-/ready")
+        # Ready is not scraping: Prometheus hands new targets to its scrape loop only after
+        # its discovery manager's first update (throttled to one every 5 s). Traffic sent
+        # before the first scrape would be seen as a counter's starting value, never as an
+        # increase, so wait for that scrape.
+        deadline = time.monotonic() + PROMETHEUS_FIRST_SCRAPE_S
+        while not _prometheus_query(base, 'up{job="pdgate"} == 1'):
+            assert time.monotonic() < deadline, "Prometheus never scraped the router"
+            time.sleep(0.2)
         yield base
     finally:
         process.terminate()

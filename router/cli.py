@@ -373,7 +373,3 @@ def _sim_record(base_url: str, request_id: str) -> dict[str, object] | None:
         if request_id and request_id in str(record.get("request_id", "")):
             return dict(record)
     return None
-
-
-if __name__ == "__main__":  # the `--workers` supervisor starts workers as `-m router.cli`
-    sys.exit(main())

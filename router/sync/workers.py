@@ -119,7 +119,7 @@ class Supervisor:
     def _start(self, index: int) -> None:
         env = dict(os.environ)
         env[WORKER_ENV] = f"{self.host_id}:{index}:{self.count}"
-        process = subprocess.Popen([sys.executable, "-m", "router.cli", *self.argv], env=env)
+        process = subprocess.Popen([sys.executable, "-m", "router", *self.argv], env=env)
         self.children[index] = (process, time.monotonic())
         log.info("worker %d started (pid %d)", index, process.pid)
 

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from router.local_cluster import LocalCluster
     from router.resilience.config import ResilienceConfig
     from router.security.config import SecurityConfig
+    from router.sync.config import SyncConfig
 
 DEFAULT_PORT = 8080
 DEMO_MODEL = "deepseek_v4"
@@ -47,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--log-level", default="info")
     _add_reliability_flags(serve)
     _add_connection_flags(serve)
+    _add_scale_flags(serve)
 
     for name, text in (("up", "run a local simulated cluster"), ("demo", "send the example")):
         command = commands.add_parser(name, help=text)
@@ -60,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
                                   "serve's)")
 
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(
         level=getattr(args, "log_level", "warning").upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -141,6 +144,48 @@ def _add_connection_flags(serve: argparse.ArgumentParser) -> None:
         help="open client connections per listener (beyond: 503, closed)")
 
 
+def _add_scale_flags(serve: argparse.ArgumentParser) -> None:
+    """Flags of `router.sync`: workers on this host, peer replicas (README "Running more
+    than one")."""
+    from router.sync.config import DEFAULT_HEARTBEAT_S, DEFAULT_TTL_S
+
+    group = serve.add_argument_group("running more than one")
+    add = group.add_argument
+    add("--workers", default="1",
+        help="router processes on this port (SO_REUSEPORT), sharing load and cache state; "
+             "'auto': the CPUs this container may use (default 1)")
+    add("--sync-port", type=int,
+        help="TCP port on which this replica shares its state with its peers")
+    add("--peers", default="",
+        help="peer replicas, host:port[,host:port...] (their --sync-port)")
+    add("--peer-service",
+        help="headless Service whose EndpointSlices list the peer replicas (Kubernetes)")
+    add("--sync-ttl", type=float, default=DEFAULT_TTL_S,
+        help="seconds of silence after which a peer is lost and its in-flight counts expire")
+    add("--sync-heartbeat", type=float, default=DEFAULT_HEARTBEAT_S,
+        help="seconds between heartbeats to the peers")
+
+
+def _sync_config(args: argparse.Namespace, namespace: str | None) -> SyncConfig | None:
+    """This process's place among workers and replicas; None when it is on its own."""
+    import os
+
+    from router.sync.config import SyncConfig
+    from router.sync.peers import parse_peers
+    from router.sync.workers import new_host_id, worker_place
+
+    place = worker_place()
+    host_id, index, count = place if place is not None else (new_host_id(), 0, 1)
+    config = SyncConfig(
+        host_id=host_id, worker=index, workers=count, sync_port=args.sync_port,
+        peers=parse_peers(args.peers), peer_service=args.peer_service, namespace=namespace,
+        kubeconfig=args.kubeconfig, own_address=os.environ.get("POD_IP"),
+        heartbeat_s=args.sync_heartbeat, ttl_s=args.sync_ttl,
+    )
+    config.validate()
+    return config if config.enabled else None
+
+
 def _edge_config(args: argparse.Namespace, security: SecurityConfig) -> EdgeConfig:
     from router.http.config import EdgeConfig, head_bytes_bound
 
@@ -195,19 +240,28 @@ def _serve(args: argparse.Namespace) -> int:
     from router.http import FD_RESERVE, Edge, ensure_fd_limit
     from router.resilience.runner import DrainingRunner
     from router.state import AppState, RouterConfig
+    from router.sync.workers import Supervisor, parse_workers, reuseport_socket, worker_place
     from router.upstream import MAX_CONNECTIONS as UPSTREAM_MAX_CONNECTIONS
 
     try:
         resilience, security = _reliability_configs(args)
         edge = _edge_config(args, security)
+        workers = parse_workers(args.workers)
     except ValueError as exc:
         print(f"pdgate serve: {exc}", file=sys.stderr)
         return 2
+    if workers > 1 and worker_place() is None:
+        return Supervisor(args.argv, workers).run()
     namespace = None if args.all_namespaces else args.namespace
-    if args.kubernetes and namespace is None and not args.all_namespaces:
+    if (args.kubernetes or args.peer_service) and namespace is None and not args.all_namespaces:
         from router.sources.kube_api import default_namespace
 
         namespace = default_namespace(args.kubeconfig)  # as kubectl: the pod's or context's
+    try:
+        sync = _sync_config(args, namespace)
+    except ValueError as exc:
+        print(f"pdgate serve: {exc}", file=sys.stderr)
+        return 2
     config = RouterConfig(
         config_dir=args.config,
         kubernetes=args.kubernetes,
@@ -216,6 +270,7 @@ def _serve(args: argparse.Namespace) -> int:
         scheduler_config=args.scheduler_config,
         resilience=resilience,
         security=security,
+        sync=sync,
     )
     try:
         state = AppState(config)
@@ -225,6 +280,12 @@ def _serve(args: argparse.Namespace) -> int:
     app = PDGateApp(state)
     listeners = 1 if args.admin_port is None else 2
     ensure_fd_limit(edge.max_connections * listeners + UPSTREAM_MAX_CONNECTIONS + FD_RESERVE)
+    shared = sync is not None and sync.workers > 1
+    sockets = (
+        reuseport_socket(args.host, args.port) if shared else None,
+        reuseport_socket(args.host, args.admin_port)
+        if shared and args.admin_port is not None else None,
+    )
     return DrainingRunner(
         app,
         app.ops,
@@ -235,6 +296,7 @@ def _serve(args: argparse.Namespace) -> int:
         drain=state.resilience.drain,
         config=config.resilience,
         edge=Edge(edge, state.registry),
+        sockets=sockets,
     ).run()
 
 

@@ -21,6 +21,7 @@ from router.scheduling.runtime import build_scheduler
 from router.security import Security, SecurityConfig
 from router.sources.base import Source
 from router.sources.kube_events import EventRecorder, model_server_notifier
+from router.sync import SyncConfig, SyncNode
 from router.tracing import tracing_from_env
 from router.upstream import Upstream
 from router.view import ClusterView, Snapshot
@@ -40,6 +41,8 @@ class RouterConfig:
     extra_sources: list[Source] = field(default_factory=list)
     resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    #: State shared with other workers and replicas (`router.sync`); None: this one only.
+    sync: SyncConfig | None = None
 
 
 class AppState:
@@ -65,6 +68,11 @@ class AppState:
             self.view, self.scheduler, self.inflight, self.upstream, self.metrics,
             outliers=self.resilience.outliers, limiter=self.security.rate_limiter,
             retry_budget=self.resilience.retry_budget, tracing=self.tracing,
+        )
+        self.sync = None if config.sync is None else SyncNode(
+            config.sync, inflight=self.inflight, outliers=self.resilience.outliers,
+            approx=self.scheduler_runtime.approx, engines=self.scheduler_runtime.engines,
+            scraper=self.scheduler_runtime.scraper, view=self.view, registry=self.registry,
         )
         self.sources: list[Source] = list(config.extra_sources)
         self.started_at = time.time()
@@ -115,6 +123,8 @@ class AppState:
         self._tasks.append(asyncio.create_task(self.scheduler_runtime.run()))
         self._tasks.append(asyncio.create_task(self.resilience.run()))
         self._tasks.append(asyncio.create_task(self.security.run()))
+        if self.sync is not None:
+            self._tasks.append(asyncio.create_task(self.sync.run()))
 
     async def stop(self) -> None:
         for task in self._tasks:

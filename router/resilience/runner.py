@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -60,6 +61,7 @@ class DrainingRunner:
         drain: Drain,
         config: ResilienceConfig,
         edge: Edge,
+        sockets: tuple[socket.socket | None, socket.socket | None] = (None, None),
     ) -> None:
         common: dict[str, Any] = {
             "host": host, "loop": "uvloop", "log_level": log_level,
@@ -74,6 +76,7 @@ class DrainingRunner:
                                            **edge.options("admin"), **common))
             edge.count_open("admin", admin.server_state.connections)
             self.servers.append(admin)
+        self.sockets = sockets  # (main, admin): pre-bound (`--workers`: SO_REUSEPORT) or None
         self.drain = drain
         self.config = config
         self._drain_task: asyncio.Task[None] | None = None
@@ -90,7 +93,10 @@ class DrainingRunner:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self.on_signal, signum)
         try:
-            await asyncio.gather(*(server.serve() for server in self.servers))
+            await asyncio.gather(*(
+                server.serve(sockets=None if sock is None else [sock])
+                for server, sock in zip(self.servers, self.sockets, strict=False)
+            ))
         finally:
             for signum in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(signum)

@@ -245,8 +245,11 @@ class ParityProber:
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
             while True:
                 self._wake.clear()
-                await self.probe_due(session)
-                wait = LOADING_POLL_S if self._any_loading() else self._until_due()
+                loading = await self.probe_due(session)
+                # `loading` as `due()` saw it: a tokenizer that finished loading since then
+                # was skipped by this pass, so poll again soon rather than sleep to the
+                # next round (the last server to load was left unprobed for 300 s).
+                wait = LOADING_POLL_S if loading else self._until_due()
                 # Not `wait_for`: on 3.11 it swallows a cancel that lands as the event is
                 # set (a view change during shutdown), and the loop would go on forever.
                 try:
@@ -263,16 +266,11 @@ class ParityProber:
                 due = min(due, result.at + UNKNOWN_RETRY_S)
         return max(0.0, due - self._clock())
 
-    def _any_loading(self) -> bool:
-        return any(
-            self._tokenizers.state(p.server) == "loading" for p in self._snapshot.servers.values()
-        )
-
-    async def probe_due(self, session: aiohttp.ClientSession) -> int:
-        """Probe every pod that is due; returns how many were probed."""
-        todo, _ = self.due(self._clock())
+    async def probe_due(self, session: aiohttp.ClientSession) -> bool:
+        """Probe every pod that is due; returns whether a tokenizer was still loading."""
+        todo, loading = self.due(self._clock())
         if not todo:
-            return 0
+            return loading
         gate = asyncio.Semaphore(self._max_concurrency)
 
         async def one(server: ModelServer, pod: Endpoint, tokenizer: ModelTokenizer) -> None:
@@ -281,7 +279,7 @@ class ParityProber:
             self._record(server, pod, result)
 
         await asyncio.gather(*(one(*item) for item in todo))
-        return len(todo)
+        return loading
 
     async def probe(
         self, session: aiohttp.ClientSession, pod: Endpoint, tokenizer: ModelTokenizer

@@ -5,13 +5,17 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
+# NVIDIA's aiperf (a third-party benchmark client whose TTFT the tests compare with the
+# router's) lives in a virtualenv of its own: its pins clash with ours.
+AIPERF_VENV  := .venv-aiperf
+AIPERF_STAMP := $(AIPERF_VENV)/.installed-stamp
 
 .PHONY: demo test lint typecheck unit setup sysdeps up bench bench-quick clean
 
 demo: setup
 	$(BIN)/pdgate demo --config config
 
-test: setup lint typecheck
+test: setup $(AIPERF_STAMP) lint typecheck
 	$(BIN)/pytest
 
 up: setup
@@ -34,14 +38,20 @@ setup: $(STAMP) sysdeps
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test,sim,bench]'
+	$(BIN)/python -m pip install -q -e '.[test,sim,bench,tracing]'
 	touch $(STAMP)
 
-# Debian packages: libibverbs1 (the Mooncake wheel links it even for TCP) and
-# redis-server (the global rate-limit tests start a real one).
+$(AIPERF_STAMP):
+	test -x $(AIPERF_VENV)/bin/python || $(PYTHON) -m venv $(AIPERF_VENV)
+	$(AIPERF_VENV)/bin/python -m pip install -q 'aiperf==0.13.0'
+	touch $(AIPERF_STAMP)
+
+# Debian packages: libibverbs1 (the Mooncake wheel links it even for TCP),
+# redis-server (the global rate-limit tests start a real one) and prometheus (the
+# dashboard test evaluates every panel's query on a real one scraping a live router).
 sysdeps: $(STAMP)
 	@$(BIN)/python -c "import mooncake.store" 2>/dev/null && command -v redis-server >/dev/null \
-		|| sh scripts/install-sysdeps.sh
+		&& command -v prometheus >/dev/null || sh scripts/install-sysdeps.sh
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(AIPERF_VENV) .mypy_cache .ruff_cache .pytest_cache

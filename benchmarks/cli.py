@@ -28,7 +28,9 @@ from benchmarks.procs import StartupError
 from benchmarks.results import RouterResources, RunRecord, read_raw, write_raw
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-PHASES = ("overhead", "scheduling", "trace")
+PHASES = ("overhead", "streaming", "scheduling", "tokenization", "trace")
+#: Iterations per case of the tokenization phase (in-process, a few seconds in all).
+TOKENIZATION_ITERATIONS = {"quick": 15, "full": 30}
 MODES: tuple[Mode, ...] = ("agg", "pd")
 #: Wall-clock budgets: no new run starts after them (a run in progress finishes).
 QUICK_BUDGET_S = 160.0
@@ -68,7 +70,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--quick", action="store_true", help="the short preset (under 3 minutes)")
     add("--out", type=Path, help="output directory (default: benchmarks/results/<date>[-quick])")
     add("--seed", type=int, default=0, help="workload and arrival seed")
-    add("--phases", default=",".join(PHASES), help="comma list of: overhead, scheduling")
+    add("--phases", default=",".join(PHASES),
+        help="comma list of: overhead, streaming, scheduling, tokenization")
     add("--modes", default=",".join(MODES), help="comma list of: agg, pd")
     add("--pdgate-policies",
         help=f"comma list of: {', '.join(PDGATE_POLICIES)} (default: all; quick: "
@@ -119,6 +122,15 @@ def _method(config: BenchConfig) -> list[str]:
         f"of the fastest router's max at c=64, {config.sweep.seconds:g} s per level and "
         "router; "
         "arrivals beyond 512 in flight are shed and counted as `client_overload` errors.",
+        f"- Overload: open-loop Poisson at "
+        f"{', '.join(f'{m:g}x' for m in config.overload.multiples)} of pdgate's own max at "
+        f"c=64 (median of its rounds), {config.overload.seconds:g} s per level and router, "
+        f"modes {', '.join(config.overload.modes)}.",
+        f"- Streaming: {config.streaming.output_tokens}-token streams "
+        f"{config.streaming.itl_ms:g} ms apart from {config.streaming.agg_pods} aggregated "
+        f"pods, closed loop at {', '.join(map(str, config.streaming.concurrencies))} streams, "
+        f"{config.streaming.seconds:g} s per router and level; the direct floor streams "
+        "straight from one pod.",
         f"- Scheduling: {s.pd_groups} PD groups (pdgate pairs inside a group; vLLM Router "
         f"pairs any prefill with any decode) or {s.agg_pods} aggregated pods, simulator latency "
         f"model on, flags `{' '.join(s.sim_flags)}`; closed loop at concurrency "
@@ -152,6 +164,8 @@ async def _run(
     steps: list[tuple[str, Callable[[], Awaitable[None]]]] = []
     if "overhead" in phases:
         steps += [(f"overhead {m}", partial(bench.overhead_and_sweep, m)) for m in modes]
+    if "streaming" in phases:
+        steps += [(f"streaming {m}", partial(bench.streaming, m)) for m in modes]
     if "scheduling" in phases:
         steps += [(f"scheduling {m}", partial(bench.scheduling, m))
                   for m in sorted(modes, reverse=True)]  # pd first
@@ -163,6 +177,17 @@ async def _run(
         except (StartupError, OSError, RuntimeError) as exc:  # one phase failing: go on
             bench.skipped.append(f"{label}: {str(exc).splitlines()[0] if str(exc) else exc!r}")
             logging.getLogger("benchmarks").exception("%s failed", label)
+
+
+def _tokenization(iterations: int, bench: Bench) -> dict[str, list[float]] | None:
+    """The router's tokenization cost per request (`benchmarks.tokenization`), in-process."""
+    from benchmarks import tokenization
+
+    try:
+        return {case: [p50, p90] for case, (p50, p90) in tokenization.run(iterations).items()}
+    except (OSError, ValueError) as exc:  # no tokenizer installed: report, go on
+        bench.skipped.append(f"tokenization: {exc}")
+        return None
 
 
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -191,7 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     the_lineup = lineup(modes, policies, config.scheduling.include_agg,
                         config.scheduling.prefill_ms_per_token)
-    if "overhead" not in phases:
+    if "overhead" not in phases and "streaming" not in phases:
         the_lineup = type(the_lineup)(overhead={}, scheduling=the_lineup.scheduling)
     if "scheduling" not in phases:
         the_lineup = type(the_lineup)(overhead=the_lineup.overhead, scheduling={})
@@ -203,6 +228,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     reporter = BarReporter(planned_runs(config, the_lineup), enabled=not args.no_progress)
     bench = Bench(config, the_lineup, raw, started + budget, reporter)
+    token_costs = (
+        _tokenization(TOKENIZATION_ITERATIONS["quick" if args.quick else "full"], bench)
+        if "tokenization" in phases
+        else None
+    )
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
             runner.run(_run(bench, phases, modes, args))
@@ -223,6 +253,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "skipped": bench.skipped,
         "method": _method(config),
     }  # fmt: skip
+    if token_costs is not None:
+        meta["tokenization"] = token_costs
     write_raw(raw / "runs.json", meta, bench.runs, bench.resources)
     _write_reports(out, meta, bench.runs, bench.resources)
     print(f"results: {out} ({elapsed:.0f} s)")
@@ -235,6 +267,8 @@ def _write_reports(
     over = figures.overhead_rows(runs, resources)
     sweep = figures.sweep_points(runs)
     sched = figures.scheduling_rows(runs, resources)
+    overload = figures.overload_points(runs)
+    streaming = figures.streaming_rows(runs)
     # Colours and bar order: direct, then pdgate's policies, then the peers.
     kinds = ("direct", "pdgate", "vllm-router", "sglang-router")
     names = [r.router for kind in kinds for r in runs if r.kind == kind]
@@ -251,7 +285,10 @@ def _write_reports(
     for name, draw in drawers:
         if draw(out / name):
             drawn.append(name)
-    (out / "README.md").write_text(report.render(meta, over, sweep, sched, drawn))
+    (out / "README.md").write_text(report.render(meta, over, sweep, sched, drawn,
+                                                       overload, streaming))
     summary = {"meta": meta, **figures.headline(over, sched),
-               "sweep": [asdict(p) for p in sweep]}
+               "sweep": [asdict(p) for p in sweep],
+               "overload": [{**asdict(p), "share": p.share} for p in overload],
+               "streaming": [asdict(r) for r in streaming]}
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))

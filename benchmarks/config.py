@@ -45,6 +45,35 @@ class SweepConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class OverloadConfig:
+    """Past saturation: open-loop Poisson at multiples of pdgate's own closed-loop maximum
+    (median of its overhead rounds), every router at the same rates, interleaved. Goodput
+    (successful requests per second) is reported as a share of that maximum."""
+
+    multiples: tuple[float, ...]
+    seconds: float
+    modes: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class StreamingConfig:
+    """Relaying long streams: closed loop at each concurrency on pods that stream
+    `output_tokens` tokens `itl_ms` apart; every router beside the direct floor."""
+
+    concurrencies: tuple[int, ...]
+    output_tokens: int
+    itl_ms: float
+    seconds: float
+    agg_pods: int
+    modes: tuple[str, ...]
+
+    @property
+    def sim_flags(self) -> tuple[str, ...]:
+        # ITL independent of the batch: the stream's pace is the pods', not the load's.
+        return ("--itl-ms", f"{self.itl_ms:g}", "--itl-per-running-ms", "0")
+
+
+@dataclass(frozen=True, slots=True)
 class SchedulingConfig:
     """Prefix-cache-sensitive workloads on engines with the latency model on."""
 
@@ -76,6 +105,8 @@ class BenchConfig:
     request_timeout: float
     overhead: OverheadConfig
     sweep: SweepConfig
+    overload: OverloadConfig
+    streaming: StreamingConfig
     scheduling: SchedulingConfig
 
 
@@ -106,6 +137,9 @@ def quick(seed: int = 0) -> BenchConfig:
             params=OverheadParams(requests=8000),
         ),
         sweep=SweepConfig(fractions=(0.4, 0.8, 1.2), seconds=1.5, modes=("pd",)),
+        overload=OverloadConfig(multiples=(1.5, 3.0), seconds=2.0, modes=("agg",)),
+        streaming=StreamingConfig(concurrencies=(64, 256), output_tokens=256, itl_ms=5.0,
+                                  seconds=3.0, agg_pods=2, modes=("agg",)),
         scheduling=SchedulingConfig(
             shared_prefix=SharedPrefixParams(
                 groups=10, questions=5, system_tokens=2048, question_tokens=48, output_tokens=8
@@ -147,6 +181,9 @@ def full(seed: int = 0) -> BenchConfig:
         sweep=SweepConfig(
             fractions=(0.25, 0.5, 0.75, 1.0, 1.25), seconds=3.0, modes=("agg", "pd")
         ),
+        overload=OverloadConfig(multiples=(1.5, 3.0), seconds=4.0, modes=("agg", "pd")),
+        streaming=StreamingConfig(concurrencies=(64, 256), output_tokens=256, itl_ms=5.0,
+                                  seconds=8.0, agg_pods=2, modes=("agg",)),
         scheduling=SchedulingConfig(
             shared_prefix=SharedPrefixParams(
                 groups=10, questions=16, system_tokens=2048, question_tokens=48, output_tokens=16

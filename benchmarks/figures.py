@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from benchmarks.results import RouterResources, RunRecord
-from benchmarks.stats import median, percentile, ratio
+from benchmarks.stats import Summary, median, percentile, ratio
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +35,50 @@ class SweepPoint:
     offered: float
     achieved: float
     e2e_p50: float | None
+    errors: int
+
+
+@dataclass(frozen=True, slots=True)
+class OverloadPoint:
+    """One router at one overload level: goodput as a share of pdgate's own maximum."""
+
+    mode: str
+    router: str
+    kind: str
+    multiple: float  # offered / reference
+    reference: float  # pdgate's closed-loop maximum, req/s
+    goodput: float  # successful requests per second of the run's wall time
+    shed: int  # answered 503/429 (refused at once, as asked)
+    timeouts: int  # the client gave up
+    other_errors: int
+    requests: int
+    cpu_per_1k: float | None  # router CPU per 1,000 successful requests
+    e2e_p99: float | None  # of the successful requests
+
+    @property
+    def share(self) -> float:
+        return self.goodput / self.reference if self.reference else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class StreamingRow:
+    """One router relaying long streams at one concurrency."""
+
+    mode: str
+    router: str
+    kind: str
+    concurrency: int
+    chunks_per_s: float
+    cpu_per_1k_chunks: float | None
+    ttft_p50: float | None
+    ttft_p99: float | None
+    itl_p50: float | None
+    itl_p99: float | None
+    added_ttft_p50: float | None  # over the direct floor at the same concurrency
+    added_ttft_p99: float | None
+    added_itl_p50: float | None
+    added_itl_p99: float | None
+    requests: int
     errors: int
 
 
@@ -130,6 +174,51 @@ def sweep_points(runs: Sequence[RunRecord]) -> list[SweepPoint]:
                    r.summary.e2e_p50, r.summary.requests - r.summary.ok)
         for r in runs if r.phase == "sweep"
     ]  # fmt: skip
+
+
+def overload_points(runs: Sequence[RunRecord]) -> list[OverloadPoint]:
+    points = []
+    for r in runs:
+        if r.phase != "overload" or not r.reference_rate:
+            continue
+        s = r.summary
+        shed = s.errors.get("http_503", 0) + s.errors.get("http_429", 0)
+        timeouts = s.errors.get("timeout", 0)
+        points.append(OverloadPoint(
+            mode=r.mode, router=r.router, kind=r.kind,
+            multiple=(r.offered_rate or 0.0) / r.reference_rate, reference=r.reference_rate,
+            goodput=s.throughput, shed=shed, timeouts=timeouts,
+            other_errors=s.requests - s.ok - shed - timeouts, requests=s.requests,
+            cpu_per_1k=r.cpu_per_1k, e2e_p99=s.e2e_p99,
+        ))  # fmt: skip
+    return points
+
+
+def streaming_rows(runs: Sequence[RunRecord]) -> list[StreamingRow]:
+    mine = [r for r in runs if r.phase == "streaming"]
+    rows = []
+    for r in mine:
+        s = r.summary
+        chunks = sum(x.chunks for x in r.results if x.ok)
+        direct = next((d.summary for d in mine if d.kind == "direct" and d.mode == r.mode
+                       and d.concurrency == r.concurrency), None)
+
+        def added(mine_v: float | None, attr: str, floor: Summary | None = direct) -> float | None:
+            base = None if floor is None else getattr(floor, attr)
+            return None if mine_v is None or base is None else mine_v - base
+
+        rows.append(StreamingRow(
+            mode=r.mode, router=r.router, kind=r.kind, concurrency=r.concurrency or 0,
+            chunks_per_s=chunks / r.wall if r.wall else 0.0,
+            cpu_per_1k_chunks=(r.router_cpu_s / chunks * 1000.0
+                               if r.router_cpu_s is not None and chunks else None),
+            ttft_p50=s.ttft_p50, ttft_p99=s.ttft_p99, itl_p50=s.itl_p50, itl_p99=s.itl_p99,
+            added_ttft_p50=added(s.ttft_p50, "ttft_p50"),
+            added_ttft_p99=added(s.ttft_p99, "ttft_p99"),
+            added_itl_p50=added(s.itl_p50, "itl_p50"), added_itl_p99=added(s.itl_p99, "itl_p99"),
+            requests=s.requests, errors=s.requests - s.ok,
+        ))  # fmt: skip
+    return rows
 
 
 def scheduling_rows(

@@ -31,6 +31,7 @@ from benchmarks.routers import RouterSpec, RunningRouter
 from benchmarks.specs import Session
 from benchmarks.stats import median
 from benchmarks.workloads import (
+    OverheadParams,
     Workload,
     multi_round,
     overhead,
@@ -178,6 +179,8 @@ class Bench:
                     )  # fmt: skip
             if mode in self.config.sweep.modes:
                 await self._sweep(mode, cluster, started, workload)
+            if mode in self.config.overload.modes:
+                await self._overload(mode, cluster, started, workload)
         for router in started:
             if router.peak_rss is not None:
                 self.resources.append(RouterResources(
@@ -228,6 +231,68 @@ class Bench:
                 record.offered_rate = rate
                 await self._measure(router, cluster, record, workload.sessions[:count],
                                     self._limits(cfg.seconds), rate=rate)
+
+    async def _overload(
+        self, mode: Mode, cluster: SimCluster, routers: list[RunningRouter], workload: Workload
+    ) -> None:
+        """Open loop at multiples of pdgate's own maximum (see `OverloadConfig`)."""
+        cfg = self.config.overload
+        pdgate = median([r.summary.throughput for r in self.runs
+                         if r.phase == "overhead-throughput" and r.mode == mode
+                         and r.kind == "pdgate"])
+        if not pdgate:
+            self.skipped.append(f"overload {mode}: no pdgate maximum measured")
+            return
+        for level, multiple in enumerate(cfg.multiples):
+            rate = multiple * pdgate
+            count = min(len(workload.sessions), int(rate * cfg.seconds * 1.5) + 16)
+            order = routers if level % 2 == 0 else routers[::-1]
+            for router in order:
+                if router.spec.kind == "direct":
+                    continue
+                if self._out_of_time(f"overload {mode} x{multiple:g}"):
+                    return
+                record = self._record("overload", mode, router, workload, level, None)
+                record.offered_rate = rate
+                record.reference_rate = pdgate
+                await self._measure(router, cluster, record, workload.sessions[:count],
+                                    self._limits(cfg.seconds), rate=rate)
+
+    # ---- streaming ---------------------------------------------------------------------
+
+    async def streaming(self, mode: Mode) -> None:
+        """Long streams at each concurrency, every router of the overhead lineup and the
+        direct floor on the same pods, interleaved (see `StreamingConfig`)."""
+        cfg = self.config.streaming
+        specs = [s for s in self.lineup.overhead.get(mode, ()) if s.supports(mode)]
+        if mode not in cfg.modes or not specs or self._out_of_time(f"streaming {mode}"):
+            return
+        shape = ClusterShape(mode, cfg.agg_pods, fast=False, sim_flags=cfg.sim_flags)
+        params = OverheadParams(requests=40_000, output_tokens=cfg.output_tokens)
+        workload = overhead(params, MODEL, self.config.seed)
+        workload = Workload("streaming", workload.sessions,
+                            f"{cfg.output_tokens} tokens {cfg.itl_ms:g} ms apart")
+        with SimCluster(shape, self.work_dir / "logs") as cluster, contextlib.ExitStack() as stack:
+            started: list[RunningRouter] = []
+            for spec in specs:
+                try:
+                    router = stack.enter_context(RunningRouter(spec, cluster, self.work_dir))
+                except (StartupError, OSError) as exc:
+                    self._failed(f"streaming {mode} {spec.name}", exc)
+                    continue
+                started.append(router)
+                self.reporter.begin(f"warm-up streaming {spec.name}")
+                await run_closed(router.target, workload.sessions[:16], 8, self._limits(2.0))
+            for level, concurrency in enumerate(cfg.concurrencies):
+                order = started if level % 2 == 0 else started[::-1]
+                for router in order:
+                    if self._out_of_time(f"streaming {mode} c={concurrency}"):
+                        return
+                    await self._measure(
+                        router, cluster,
+                        self._record("streaming", mode, router, workload, level, concurrency),
+                        workload.sessions, self._limits(cfg.seconds),
+                    )  # fmt: skip
 
     # ---- phase 3 -------------------------------------------------------------------------
 
@@ -305,6 +370,10 @@ def planned_runs(config: BenchConfig, lineup: Lineup) -> int:
         total += 2 * count * config.overhead.rounds
         if mode in config.sweep.modes:
             total += count * len(config.sweep.fractions)
+        if mode in config.overload.modes:
+            total += count * len(config.overload.multiples)
+        if mode in config.streaming.modes:
+            total += count * len(config.streaming.concurrencies)
     for mode, specs in lineup.scheduling.items():
         count = sum(1 for s in specs if s.supports(mode))
         total += count * len(config.scheduling.workloads)

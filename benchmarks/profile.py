@@ -53,8 +53,9 @@ def top_functions(collapsed: str, limit: int = 30) -> tuple[list[tuple[str, int]
     return own.most_common(limit), inclusive.most_common(limit), total
 
 
-async def _drive(router: RunningRouter, seconds: float, concurrency: int) -> str:
-    workload = overhead(OverheadParams(requests=200_000), MODEL, 0)
+async def _drive(router: RunningRouter, seconds: float, concurrency: int,
+                 stream: bool = True) -> str:
+    workload = overhead(OverheadParams(requests=200_000), MODEL, 0, stream)
     await run_closed(router.target, workload.sessions[:200], 8, LoadLimits(10.0))
     before = router.cpu_seconds() or 0.0
     load = await run_closed(router.target, workload.sessions, concurrency,
@@ -75,6 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--policy", default=OVERHEAD_POLICY, choices=list(PDGATE_POLICIES))
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/profile/raw"))
     parser.add_argument("--native", action="store_true", help="py-spy --native")
+    parser.add_argument("--no-stream", action="store_true", help="non-streaming requests")
     args = parser.parse_args(argv)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -90,7 +92,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             spy = subprocess.Popen([*common, "--format", "raw", "--output", str(raw)],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             try:
-                line = asyncio.run(_drive(router, args.seconds, args.concurrency))
+                line = asyncio.run(_drive(router, args.seconds, args.concurrency,
+                                           not args.no_stream))
             finally:
                 spy.wait(timeout=args.seconds + 30)
     print(line)

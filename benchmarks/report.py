@@ -7,7 +7,9 @@ from typing import Any
 
 from benchmarks.figures import (
     OverheadRow,
+    OverloadPoint,
     SchedulingRow,
+    StreamingRow,
     SweepPoint,
     best_pdgate,
 )
@@ -48,6 +50,8 @@ def render(
     sweep: Sequence[SweepPoint],
     scheduling: Sequence[SchedulingRow],
     plots: Sequence[str],
+    overload: Sequence[OverloadPoint] = (),
+    streaming: Sequence[StreamingRow] = (),
 ) -> str:
     out: list[str] = [
         f"# pdgate benchmark: {meta['date']} ({meta['preset']})",
@@ -63,14 +67,37 @@ def render(
     out += _headline_section(overhead, scheduling)
     out += _overhead_section(overhead)
     out += _sweep_section(sweep)
+    out += _overload_section(overload)
+    out += _streaming_section(streaming)
     out += _scheduling_section(scheduling)
     out += _resources_section(overhead, scheduling)
+    out += _tokenization_section(meta.get("tokenization"))
     if plots:
         out += ["## Plots", ""]
         out += [f"![{name}]({name})" for name in plots]
         out.append("")
     out += ["## Method", "", *meta.get("method", []), ""]
     return "\n".join(out)
+
+
+def _tokenization_section(costs: dict[str, list[float]] | None) -> list[str]:
+    """`benchmarks.tokenization`: what the router's own tokenizer costs per request."""
+    if not costs:
+        return []
+    out = [
+        "## Tokenization cost per request",
+        "",
+        "The router's tokenizer path (`router.tokenization`) with the real DeepSeek tokenizer "
+        "(128k BPE) and the simulator's DeepSeek-V3-style chat template, in-process on one "
+        "thread; cold = a new text each time, warm = the same request again (memoized "
+        "pieces). The last line is the event-loop side of one hand-off to the tokenize pool.",
+        "",
+        "| case | p50 µs | p90 µs |",
+        "|---|---:|---:|",
+    ]
+    out += [f"| {case} | {p50:,.0f} | {p90:,.0f} |" for case, (p50, p90) in costs.items()]
+    out.append("")
+    return out
 
 
 def _headline_section(
@@ -172,6 +199,77 @@ def _sweep_section(points: Sequence[SweepPoint]) -> list[str]:
                            + (f" {hit.errors} err" if hit.errors else ""))
             rows.append(row)
         out += _table(["offered req/s", *routers], rows)
+        out.append("")
+    return out
+
+
+def _overload_section(points: Sequence[OverloadPoint]) -> list[str]:
+    if not points:
+        return []
+    out = [
+        "## Overload (open loop, Poisson, multiples of pdgate's own maximum)",
+        "",
+        "Goodput = successful requests per second of the run, as a share of pdgate's "
+        "closed-loop maximum at c=64. `shed` = answered 503/429 at once; `timeouts` = the "
+        "client gave up. CPU per 1,000 successful requests.",
+        "",
+    ]
+    for mode in dict.fromkeys(p.mode for p in points):
+        mine = [p for p in points if p.mode == mode]
+        out += [f"### {MODE_TITLE.get(mode, mode)}", ""]
+        out += _table(
+            ["load", "router", "goodput req/s", "share of max", "shed", "timeouts",
+             "other errors", "E2E p99 ms (ok)", "CPU s/1k ok"],
+            [[f"{p.multiple:.1f}x ({p.multiple * p.reference:.0f} req/s)", p.router,
+              _num(p.goodput, 0), _num(p.share, 2), f"{p.shed}/{p.requests}",
+              str(p.timeouts), str(p.other_errors), _ms(p.e2e_p99), _num(p.cpu_per_1k, 2)]
+             for p in sorted(mine, key=lambda p: (p.multiple, p.kind))],
+        )  # fmt: skip
+        for multiple in sorted({round(p.multiple, 2) for p in mine}):
+            at = [p for p in mine if round(p.multiple, 2) == multiple]
+            pd = next((p for p in at if p.kind == "pdgate"), None)
+            vl = next((p for p in at if p.kind == "vllm-router"), None)
+            if pd and vl:
+                out += ["", f"At {multiple:g}x: pdgate / vLLM Router goodput "
+                            f"{_x(ratio(pd.goodput, vl.goodput))}, CPU per success "
+                            f"{_x(ratio(pd.cpu_per_1k, vl.cpu_per_1k))}."]
+        out.append("")
+    return out
+
+
+def _streaming_section(rows: Sequence[StreamingRow]) -> list[str]:
+    if not rows:
+        return []
+    out = [
+        "## Streaming (long streams, closed loop)",
+        "",
+        "Chunks relayed per second, router CPU per 1,000 content chunks, and the TTFT and ITL "
+        "the client sees, added over the direct floor at the same concurrency.",
+        "",
+    ]
+    for mode in dict.fromkeys(r.mode for r in rows):
+        mine = sorted((r for r in rows if r.mode == mode), key=lambda r: r.concurrency)
+        out += [f"### {MODE_TITLE.get(mode, mode)}", ""]
+        out += _table(
+            ["streams", "router", "chunks/s", "CPU s/1k chunks", "TTFT p50/p99 ms",
+             "added TTFT p50/p99 ms", "ITL p50/p99 ms", "added ITL p50/p99 ms", "errors"],
+            [[str(r.concurrency), r.router, _num(r.chunks_per_s, 0),
+              _num(r.cpu_per_1k_chunks, 3), f"{_ms(r.ttft_p50)}/{_ms(r.ttft_p99)}",
+              f"{_ms(r.added_ttft_p50)}/{_ms(r.added_ttft_p99)}",
+              f"{_ms(r.itl_p50)}/{_ms(r.itl_p99)}",
+              f"{_ms(r.added_itl_p50)}/{_ms(r.added_itl_p99)}", f"{r.errors}/{r.requests}"]
+             for r in mine],
+        )  # fmt: skip
+        for concurrency in dict.fromkeys(r.concurrency for r in mine):
+            pd = next((r for r in mine if r.kind == "pdgate" and r.concurrency == concurrency),
+                      None)
+            vl = next((r for r in mine
+                       if r.kind == "vllm-router" and r.concurrency == concurrency), None)
+            if pd and vl:
+                out += ["", f"{concurrency} streams, pdgate / vLLM Router: CPU per chunk "
+                            f"{_x(ratio(pd.cpu_per_1k_chunks, vl.cpu_per_1k_chunks))}, added "
+                            f"TTFT p50 {_x(ratio(pd.added_ttft_p50, vl.added_ttft_p50))}, "
+                            f"chunks/s {_x(ratio(pd.chunks_per_s, vl.chunks_per_s))}."]
         out.append("")
     return out
 

@@ -25,6 +25,7 @@ class RunRecord:
     round: int = 0
     concurrency: int | None = None
     offered_rate: float | None = None
+    reference_rate: float | None = None  # overload: pdgate's closed-loop maximum
     wall: float = 0.0
     router_cpu_s: float | None = None
     client_cpu_s: float | None = None
@@ -61,6 +62,7 @@ class RunRecord:
             "round": self.round,
             "concurrency": self.concurrency,
             "offered_rate": self.offered_rate,
+            "reference_rate": self.reference_rate,
             "wall": self.wall,
             "router_cpu_s": self.router_cpu_s,
             "client_cpu_s": self.client_cpu_s,
@@ -122,6 +124,7 @@ def read_raw(path: Path) -> tuple[dict[str, Any], list[RunRecord], list[RouterRe
             phase=raw["phase"], mode=raw["mode"], router=raw["router"], kind=raw["kind"],
             policy=raw["policy"], workload=raw["workload"], round=raw["round"],
             concurrency=raw["concurrency"], offered_rate=raw["offered_rate"],
+            reference_rate=raw.get("reference_rate"),
             wall=raw["wall"], router_cpu_s=raw["router_cpu_s"],
             client_cpu_s=raw["client_cpu_s"], prefix=prefix,
             results=[_result(r) for r in raw["results"]],

@@ -30,7 +30,8 @@ HEADER = (
 #: Helm's install order for the kinds the chart has: dependencies before dependents.
 KIND_ORDER = (
     "Namespace", "ServiceAccount", "ConfigMap", "ClusterRole", "ClusterRoleBinding", "Role",
-    "RoleBinding", "Service", "Deployment", "PodDisruptionBudget", "PodMonitor",
+    "RoleBinding", "Service", "Deployment", "PodDisruptionBudget", "HorizontalPodAutoscaler",
+    "PodMonitor",
     "ServiceMonitor",
 )
 

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -65,7 +65,10 @@ class MooncakeMaster:
         binary: Path | None = None,
         log_path: Path | None = None,
         extra_args: Sequence[str] = (),
+        preexec_fn: Callable[[], None] | None = None,
     ) -> None:
+        """`preexec_fn` runs in the child before exec (a launcher that must own the
+        master passes one that sets its process group and parent-death signal)."""
         self.host = host
         self._want = (rpc_port, metadata_port, metrics_port)
         self.rpc_port = rpc_port
@@ -74,6 +77,7 @@ class MooncakeMaster:
         self.binary = binary
         self.log_path = log_path
         self.extra_args = tuple(extra_args)
+        self.preexec_fn = preexec_fn
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -135,7 +139,8 @@ class MooncakeMaster:
         ]
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
-                args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
+                args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                preexec_fn=self.preexec_fn,
             )
         started = time.monotonic()
         deadline = started + timeout_s

@@ -12,6 +12,7 @@ import os
 import secrets
 import time
 import uuid
+from collections import deque
 from typing import Any, Final
 
 import orjson
@@ -32,12 +33,26 @@ from engine_sim.protocol import Endpoint, ParsedRequest, RequestError, parse_req
 from engine_sim.render import generate_request
 from engine_sim.responses import ChunkWriter, chat_completion, error_body, text_completion, usage
 from engine_sim.scheduler import QueueFullError
+from engine_sim.surface import (
+    ResponseWriter,
+    embed,
+    embedding_dim,
+    embedding_response,
+    encoding_format,
+    rerank_response,
+    responses_chat_body,
+    score_pairs,
+    score_response,
+    similarity,
+)
 from router.tokenization import ChatInputError
 
 log = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER: Final = "X-Request-Id"
 _JSON: Final = "application/json"
+#: Recent W3C `traceparent` headers received, kept for `/sim/stats` (tests join traces).
+MAX_TRACEPARENTS: Final = 256
 _SSE_HEADERS: Final = {
     "Content-Type": "text/event-stream; charset=utf-8",
     "Cache-Control": "no-cache",
@@ -70,6 +85,7 @@ class SimServer:
         self.faults = faults or Faults()
         self.cancelled = 0  # generate requests whose client went away (the handler was cancelled)
         self._created = int(time.time())
+        self.traceparents: deque[dict[str, str]] = deque(maxlen=MAX_TRACEPARENTS)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 << 20)
@@ -79,6 +95,12 @@ class SimServer:
         app.router.add_post("/v1/completions/render", self.render_completion)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_post("/v1/embeddings", self.embeddings)
+        app.router.add_post("/v1/responses", self.responses)
+        for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+            app.router.add_post(path, self.rerank)
+        for path in ("/score", "/v1/score"):
+            app.router.add_post(path, self.score)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/ping", self.health)
@@ -102,9 +124,19 @@ class SimServer:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "completion")
 
+    def _request_id(self, request: web.Request) -> str:
+        """The caller's X-Request-Id (or a new one); notes a `traceparent` it carried."""
+        request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+        traceparent = request.headers.get("traceparent")
+        if traceparent is not None:
+            self.traceparents.append(
+                {"path": request.path, "request_id": request_id, "traceparent": traceparent}
+            )
+        return request_id
+
     async def _generate(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         arrival = time.perf_counter()
-        request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+        request_id = self._request_id(request)
         try:
             fault = self.faults.plan(await request.read()) if self.faults.armed else None
             if fault is not None:
@@ -244,7 +276,7 @@ class SimServer:
         return await self._render(request, "completion")
 
     async def _render(self, request: web.Request, endpoint: Endpoint) -> web.Response:
-        request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+        request_id = self._request_id(request)
         try:
             parsed = await self._parse(request, endpoint)
         except RequestError as exc:
@@ -258,7 +290,7 @@ class SimServer:
         `add_generation_prompt` default true, `continue_final_message`,
         `add_special_tokens` default false, `chat_template_kwargs`), `return_token_strs`;
         answers `TokenizeResponse` {count, max_model_len, tokens, token_strs}."""
-        request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+        request_id = self._request_id(request)
         try:
             body = await self._json_object(request)
             self._check_model(body)
@@ -285,7 +317,7 @@ class SimServer:
 
     async def detokenize(self, request: web.Request) -> web.Response:
         """vLLM's `POST /detokenize`: `{"tokens": [...]}` -> `{"prompt": text}`."""
-        request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+        request_id = self._request_id(request)
         try:
             body = await self._json_object(request)
             self._check_model(body)
@@ -298,6 +330,122 @@ class SimServer:
         except RequestError as exc:
             return _error(exc, request_id)
         return _json({"prompt": self.engine.tokenizer.decode(tokens)}, request_id=request_id)
+
+    def _ids(self, text: str) -> tuple[int, ...]:
+        prompts = self.engine.tokenizer.request_ids("completion", {"prompt": text})
+        return tuple(t for prompt in prompts for t in prompt)
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        """vLLM's `POST /v1/embeddings`: `input` (text, texts, token ids, token-id lists)
+        or chat `messages`; `encoding_format`, `dimensions`. Vectors: `surface.embed`."""
+        request_id = self._request_id(request)
+        try:
+            body = await self._json_object(request)
+            self._check_model(body)
+            dim, fmt = embedding_dim(body), encoding_format(body)
+            value = body.get("input")
+            if "messages" in body and value is None:
+                try:
+                    prompts = self.engine.tokenizer.request_ids("chat", body)
+                except ChatInputError as exc:
+                    raise RequestError(str(exc), param="messages") from exc
+            elif isinstance(value, str):
+                prompts = [self._ids(value)]
+            elif isinstance(value, list) and value and all(type(t) is int for t in value):
+                prompts = [tuple(value)]
+            elif isinstance(value, list) and value and all(isinstance(t, str) for t in value):
+                prompts = [self._ids(t) for t in value]
+            elif isinstance(value, list) and value and all(
+                    isinstance(p, list) and all(type(t) is int for t in p) for p in value):
+                prompts = [tuple(p) for p in value]
+            else:
+                raise RequestError("'input' must be a string, a list of strings or token ids",
+                                   param="input")
+            if any(not p for p in prompts):
+                raise RequestError("an input is empty", param="input")
+        except RequestError as exc:
+            return _error(exc, request_id)
+        vectors = [embed(p, dim) for p in prompts]
+        tokens = sum(len(p) for p in prompts)
+        return _json(embedding_response(request_id, self.engine.limits.model, vectors, fmt,
+                                        tokens), request_id=request_id)
+
+    async def rerank(self, request: web.Request) -> web.Response:
+        """vLLM's rerank routes: `query`, `documents` (strings), `top_n` (0: all)."""
+        request_id = self._request_id(request)
+        try:
+            body = await self._json_object(request)
+            self._check_model(body)
+            query, documents = body.get("query"), body.get("documents")
+            if not isinstance(query, str):
+                raise RequestError("'query' must be a string", param="query")
+            if not isinstance(documents, list) or not all(isinstance(d, str) for d in documents):
+                raise RequestError("'documents' must be a list of strings", param="documents")
+            top_n = body.get("top_n") or 0
+            if type(top_n) is not int or top_n < 0:
+                raise RequestError("'top_n' must be a non-negative integer", param="top_n")
+        except RequestError as exc:
+            return _error(exc, request_id)
+        query_ids = self._ids(query)
+        doc_ids = [self._ids(d) for d in documents]
+        anchor = embed(query_ids)
+        scores = [similarity(anchor, embed(ids)) for ids in doc_ids]
+        total = sum(len(query_ids) + len(ids) for ids in doc_ids)
+        return _json(rerank_response(request_id, self.engine.limits.model, scores, documents,
+                                     top_n, total), request_id=request_id)
+
+    async def score(self, request: web.Request) -> web.Response:
+        """vLLM's score routes: `text_1` x `text_2` (1 x 1, 1 x N or N x N)."""
+        request_id = self._request_id(request)
+        try:
+            body = await self._json_object(request)
+            self._check_model(body)
+            pairs = score_pairs(body.get("text_1"), body.get("text_2"))
+        except RequestError as exc:
+            return _error(exc, request_id)
+        ids = [(self._ids(a), self._ids(b)) for a, b in pairs]
+        scores = [similarity(embed(a), embed(b)) for a, b in ids]
+        tokens = sum(len(a) + len(b) for a, b in ids)
+        return _json(score_response(request_id, self.engine.limits.model, scores, tokens),
+                     request_id=request_id)
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """vLLM's `POST /v1/responses`: generated like chat, answered as a `Response`
+        object or, with `stream: true`, its named events (no `[DONE]`, as vLLM)."""
+        arrival = time.perf_counter()
+        request_id = self._request_id(request)
+        try:
+            body = await self._json_object(request)
+            self._check_model(body)
+            parsed = parse_request(responses_chat_body(body), "chat", self.engine.tokenizer,
+                                   self.engine.limits)
+            plan = parse_kv_transfer_params(None)
+            internal_id = f"resp_{request_id}-{secrets.token_hex(4)}"
+            async with self.engine.run(parsed, internal_id, plan, arrival) as generation:
+                writer = ResponseWriter(request_id, parsed.model, body,
+                                        generation.prompt_tokens)
+                pieces = generation.pieces
+                if body.get("stream") is not True:
+                    if self.engine.paces_tokens:
+                        for _ in range(len(pieces) - 1):
+                            await self.engine.token_gap()
+                    return _json(writer.response("".join(pieces), len(pieces)),
+                                 request_id=request_id)
+                response = web.StreamResponse(
+                    headers={**_SSE_HEADERS, REQUEST_ID_HEADER: request_id})
+                await response.prepare(request)
+                await response.write(writer.start())
+                for i, piece in enumerate(pieces):
+                    if i and self.engine.paces_tokens:
+                        await self.engine.token_gap()
+                    await response.write(writer.delta(piece))
+                await response.write(writer.end("".join(pieces), len(pieces)))
+                await response.write_eof()
+                return response
+        except (RequestError, KVTransferError, QueueFullError) as exc:
+            return _error(exc, request_id)
+        except ChatInputError as exc:
+            return _error(RequestError(str(exc), param="input"), request_id)
 
     async def _json_object(self, request: web.Request) -> dict[str, Any]:
         try:
@@ -359,7 +507,8 @@ class SimServer:
         )
 
     async def sim_stats(self, request: web.Request) -> web.Response:
-        return _json({**self.engine.stats_json(), "cancelled": self.cancelled})
+        return _json({**self.engine.stats_json(), "cancelled": self.cancelled,
+                      "traceparents": list(self.traceparents)})
 
     async def get_faults(self, request: web.Request) -> web.Response:
         return _json({**self.faults.to_json(), "cancelled": self.cancelled})

@@ -7,15 +7,20 @@ reports a disconnect only there, and on one the request's task is cancelled, whi
 cancels prefill and decode upstream and releases the in-flight counters.
 
 Before the body is read a data request passes the drain check, the header limits and the
-API key; after parsing, admission control (when bounded). With an admin port, `/metrics`,
-`/healthz`, `/readyz` and the API's documents (`/docs`, `/redoc`, `/openapi.json`) move to
-a FastAPI app of their own (`build_ops_app`); without one, the documents and `/metrics`
+API key; a router at its admission bound with a full queue answers 503 there, before any
+parsing; after parsing, admission control proper (on by default, see admission.py).
+With an admin port, `/metrics`,
+the probes (`/health`, `/healthz`, `/readyz`) and the API's documents (`/docs`, `/redoc`,
+`/openapi.json`) move to a FastAPI app of their own (`build_ops_app`); without one, the
+documents and `/metrics`
 need the API key when keys are set (`KEYED_CONTROL_PATHS`), and the probes stay open.
+Every error either app answers is OpenAI-shaped (`router/control_errors.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -26,12 +31,13 @@ from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.convertors import Convertor, register_url_convertor
 
-from router.errors import APIError, method_not_allowed
+from router import control_errors
+from router.errors import APIError, method_not_allowed, model_not_found
 from router.proxy import Responder
 from router.request import (
-    CHAT_PATH,
-    COMPLETIONS_PATH,
+    ENDPOINTS,
     ParsedRequest,
     body_too_large,
     openapi_paths,
@@ -48,13 +54,33 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
-DATA_PATHS = frozenset((CHAT_PATH, COMPLETIONS_PATH))
+DATA_PATHS = frozenset(ENDPOINTS)
 #: Control-plane paths that need the API key when keys are set (`/v1/models` checks it
 #: itself): what the API looks like and how it is loaded is the clients' business only.
-#: The probes (`/healthz`, `/readyz`) stay open for the kubelet.
+#: The probes (`/health`, `/healthz`, `/readyz`) stay open for the kubelet and tools.
 DOC_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
 KEYED_CONTROL_PATHS = frozenset((*DOC_PATHS, "/metrics"))
 CLIENT_CLOSED = 499  # nginx's code for "client closed the request", for metrics only
+#: The `model` label of requests for no model a route serves (see router/metrics.py).
+NO_MODEL = ""
+#: How long a response cut off by the shutdown may take to send its ending.
+SHUTDOWN_WRITE_S = 1.0
+
+
+class _ModelIdConvertor(Convertor[str]):
+    """A model id in a path: any characters, slashes (`org/name`) and newlines included
+    (Starlette's `path` stops at a newline, and the id must reach the OpenAI 404)."""
+
+    regex = "(?s:.+)"
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+register_url_convertor("model_id", _ModelIdConvertor())
 
 
 class PDGateApp:
@@ -107,11 +133,13 @@ class PDGateApp:
 
     async def _data(self, scope: Scope, receive: Receive, send: Send) -> None:
         began = time.perf_counter()
-        out = Responder(send)
-        model = "_unknown"
+        out = Responder(send, began)
+        model = NO_MODEL
         state = self.state
         drain = state.resilience.drain
-        drain.enter()
+        this = asyncio.current_task()
+        assert this is not None
+        drain.enter(this)
         try:
             if drain.draining:
                 raise shutting_down()
@@ -121,6 +149,12 @@ class PDGateApp:
             headers = read_headers(scope["headers"], limits.max_headers, limits.max_header_bytes)
             if state.security.api_keys is not None:
                 state.security.api_keys.check(headers.get("authorization"))
+            if state.resilience.admission.saturated():
+                # Shed before parsing: the body is read (the connection stays usable) but
+                # no JSON is parsed, no route resolved, no counter taken.
+                if await _read_body(receive, limits.max_body_bytes) is not None:
+                    raise state.resilience.admission.refuse_saturated()
+                return
             raw = await _read_body(receive, limits.max_body_bytes)
             if raw is None:
                 return  # the client left before sending its body
@@ -137,12 +171,18 @@ class PDGateApp:
                 await out.error(exc)
         except ClientGone:
             out.status = CLIENT_CLOSED
+        except asyncio.CancelledError:
+            if not drain.draining:
+                raise
+            # The drain's cut-off (or the server's last-resort cancel): end, don't cut.
+            this.uncancel()
+            await _end_for_shutdown(out)
         except Exception:
             log.exception("unexpected error serving %s", scope["path"])
             if not out.started:
                 await out.error(APIError(500, "Internal error.", type="internal_error"))
         finally:
-            drain.leave()
+            drain.leave(this)
             state.metrics.request_done(
                 model, out.status or CLIENT_CLOSED, time.perf_counter() - began
             )
@@ -158,6 +198,14 @@ class PDGateApp:
             await self.state.proxy.serve(parsed, headers, out)
         finally:
             admission.leave(model)
+
+
+async def _end_for_shutdown(out: Responder) -> None:
+    """End a response the shutdown cancelled with a `shutting_down` error, if the client
+    still reads: within `SHUTDOWN_WRITE_S`, and quietly if cancelled again meanwhile."""
+    with contextlib.suppress(asyncio.CancelledError, TimeoutError, OSError):
+        async with asyncio.timeout(SHUTDOWN_WRITE_S):
+            await out.end(shutting_down())
 
 
 class ClientGone(Exception):
@@ -224,11 +272,7 @@ def build_control_plane(state: AppState, ops: bool = True) -> FastAPI:
     docs: dict[str, Any] = {} if ops else {"openapi_url": None, "docs_url": None,
                                            "redoc_url": None}
     app = FastAPI(title="pdgate", version="0.1.0", **docs)
-
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, exc: APIError) -> Response:
-        return Response(exc.body(), status_code=exc.status, headers=exc.headers,
-                        media_type="application/json")
+    control_errors.install(app)
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -259,6 +303,16 @@ def build_control_plane(state: AppState, ops: bool = True) -> FastAPI:
             ],
         }
 
+    @app.get("/v1/models/{model_id:model_id}")
+    async def model(model_id: str, request: Request) -> dict[str, Any]:
+        """The SDK's `models.retrieve`: a served model, or an OpenAI-shaped 404."""
+        if state.security.api_keys is not None:
+            state.security.api_keys.check(request.headers.get("authorization"))
+        if model_id not in state.view.snapshot.routes_by_model:
+            raise model_not_found(model_id)
+        return {"id": model_id, "object": "model", "created": int(state.started_at),
+                "owned_by": "pdgate"}
+
     if ops:
         add_ops_routes(app, state)
     return app
@@ -269,6 +323,7 @@ def build_ops_app(state: AppState, api: FastAPI) -> FastAPI:
     client traffic (the admin port is not to be exposed, so none of it asks for a key)."""
     app = FastAPI(title="pdgate-admin", version="0.1.0", openapi_url=None, docs_url=None,
                   redoc_url=None)
+    control_errors.install(app)
     add_ops_routes(app, state)
 
     @app.get("/openapi.json", include_in_schema=False)
@@ -287,6 +342,11 @@ def build_ops_app(state: AppState, api: FastAPI) -> FastAPI:
 
 
 def add_ops_routes(app: FastAPI, state: AppState) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        """200 while the process is up, with an empty body, as vLLM and SGLang answer."""
+        return Response(status_code=200)
+
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}

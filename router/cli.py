@@ -11,12 +11,21 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from router.http.config import EdgeConfig
+    from router.local_cluster import LocalCluster
     from router.resilience.config import ResilienceConfig
     from router.security.config import SecurityConfig
+    from router.sync.config import SyncConfig
 
 DEFAULT_PORT = 8080
 DEMO_MODEL = "deepseek_v4"
 DEMO_QUESTION = "Where is the capital of China?"
+#: A system prompt long enough for a few full 16-token KV blocks, so the demo shows the
+#: blocks prefill wrote to the Mooncake Store and decode read back.
+DEMO_SYSTEM = ("You are a geography assistant in a prefill/decode disaggregated cluster: "
+               "prefill computed this prompt's KV cache and decode read it from the store.")
+DEMO_TIMEOUT_S = 60.0
+#: What stops `up` and `demo` in order (SIGHUP: the terminal was closed).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,28 +48,28 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--log-level", default="info")
     _add_reliability_flags(serve)
     _add_connection_flags(serve)
+    _add_scale_flags(serve)
 
     for name, text in (("up", "run a local simulated cluster"), ("demo", "send the example")):
         command = commands.add_parser(name, help=text)
         command.add_argument("--config", type=Path, default=Path("config"))
         command.add_argument("--port", type=int, default=DEFAULT_PORT)
+        command.add_argument("--log-dir", type=Path,
+                             help="children's logs (default: a temporary directory, "
+                                  "removed after a clean stop)")
+        command.add_argument("--drain-grace", type=float,
+                             help="the router's drain grace on stop, seconds (default: "
+                                  "serve's)")
 
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(
         level=getattr(args, "log_level", "warning").upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     if args.command == "serve":
         return _serve(args)
-    # SIGTERM must unwind like Ctrl-C so the local cluster stops its child processes.
-    signal.signal(signal.SIGTERM, _exit_on_signal)
-    if args.command == "up":
-        return _up(args)
-    return _demo(args)
-
-
-def _exit_on_signal(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
+    return _local(args)
 
 
 def _add_reliability_flags(serve: argparse.ArgumentParser) -> None:
@@ -84,7 +93,14 @@ def _add_reliability_flags(serve: argparse.ArgumentParser) -> None:
     add("--unhealthy-threshold", type=int, default=r.unhealthy_threshold,
         help="failed health checks in a row that eject a pod")
     add("--max-inflight", type=int, default=r.max_inflight,
-        help="requests in flight at once (0: unbounded)")
+        help="requests in flight at once (default: --inflight-per-pod x the aggregated and "
+             "decode pods; 0: unbounded, no adaptive limit either)")
+    add("--inflight-per-pod", type=int, default=r.inflight_per_pod,
+        help="what one engine runs at once, to size the default bound (vLLM's max_num_seqs)")
+    add("--loop-lag-target", type=float, default=r.loop_lag_target_s * 1e3,
+        help="ms of event-loop lag above which the adaptive limit sheds load (0: off)")
+    add("--min-inflight", type=int, default=r.min_inflight,
+        help="the adaptive limit's floor")
     add("--max-inflight-per-model", type=int, default=r.max_inflight_per_model,
         help="requests in flight at once per model (0: unbounded)")
     add("--max-queue", type=int, default=r.max_queue,
@@ -128,6 +144,48 @@ def _add_connection_flags(serve: argparse.ArgumentParser) -> None:
         help="open client connections per listener (beyond: 503, closed)")
 
 
+def _add_scale_flags(serve: argparse.ArgumentParser) -> None:
+    """Flags of `router.sync`: workers on this host, peer replicas (README "Running more
+    than one")."""
+    from router.sync.config import DEFAULT_HEARTBEAT_S, DEFAULT_TTL_S
+
+    group = serve.add_argument_group("running more than one")
+    add = group.add_argument
+    add("--workers", default="1",
+        help="router processes on this port (SO_REUSEPORT), sharing load and cache state; "
+             "'auto': the CPUs this container may use (default 1)")
+    add("--sync-port", type=int,
+        help="TCP port on which this replica shares its state with its peers")
+    add("--peers", default="",
+        help="peer replicas, host:port[,host:port...] (their --sync-port)")
+    add("--peer-service",
+        help="headless Service whose EndpointSlices list the peer replicas (Kubernetes)")
+    add("--sync-ttl", type=float, default=DEFAULT_TTL_S,
+        help="seconds of silence after which a peer is lost and its in-flight counts expire")
+    add("--sync-heartbeat", type=float, default=DEFAULT_HEARTBEAT_S,
+        help="seconds between heartbeats to the peers")
+
+
+def _sync_config(args: argparse.Namespace, namespace: str | None) -> SyncConfig | None:
+    """This process's place among workers and replicas; None when it is on its own."""
+    import os
+
+    from router.sync.config import SyncConfig
+    from router.sync.peers import parse_peers
+    from router.sync.workers import new_host_id, worker_place
+
+    place = worker_place()
+    host_id, index, count = place if place is not None else (new_host_id(), 0, 1)
+    config = SyncConfig(
+        host_id=host_id, worker=index, workers=count, sync_port=args.sync_port,
+        peers=parse_peers(args.peers), peer_service=args.peer_service, namespace=namespace,
+        kubeconfig=args.kubeconfig, own_address=os.environ.get("POD_IP"),
+        heartbeat_s=args.sync_heartbeat, ttl_s=args.sync_ttl,
+    )
+    config.validate()
+    return config if config.enabled else None
+
+
 def _edge_config(args: argparse.Namespace, security: SecurityConfig) -> EdgeConfig:
     from router.http.config import EdgeConfig, head_bytes_bound
 
@@ -155,6 +213,9 @@ def _reliability_configs(
         health_path=args.health_check_path,
         unhealthy_threshold=args.unhealthy_threshold,
         max_inflight=args.max_inflight,
+        inflight_per_pod=args.inflight_per_pod,
+        loop_lag_target_s=args.loop_lag_target / 1e3,
+        min_inflight=args.min_inflight,
         max_inflight_per_model=args.max_inflight_per_model,
         max_queue=args.max_queue,
         queue_timeout_s=args.queue_timeout,
@@ -179,19 +240,28 @@ def _serve(args: argparse.Namespace) -> int:
     from router.http import FD_RESERVE, Edge, ensure_fd_limit
     from router.resilience.runner import DrainingRunner
     from router.state import AppState, RouterConfig
+    from router.sync.workers import Supervisor, parse_workers, reuseport_socket, worker_place
     from router.upstream import MAX_CONNECTIONS as UPSTREAM_MAX_CONNECTIONS
 
     try:
         resilience, security = _reliability_configs(args)
         edge = _edge_config(args, security)
+        workers = parse_workers(args.workers)
     except ValueError as exc:
         print(f"pdgate serve: {exc}", file=sys.stderr)
         return 2
+    if workers > 1 and worker_place() is None:
+        return Supervisor(args.argv, workers).run()
     namespace = None if args.all_namespaces else args.namespace
-    if args.kubernetes and namespace is None and not args.all_namespaces:
+    if (args.kubernetes or args.peer_service) and namespace is None and not args.all_namespaces:
         from router.sources.kube_api import default_namespace
 
         namespace = default_namespace(args.kubeconfig)  # as kubectl: the pod's or context's
+    try:
+        sync = _sync_config(args, namespace)
+    except ValueError as exc:
+        print(f"pdgate serve: {exc}", file=sys.stderr)
+        return 2
     config = RouterConfig(
         config_dir=args.config,
         kubernetes=args.kubernetes,
@@ -200,6 +270,7 @@ def _serve(args: argparse.Namespace) -> int:
         scheduler_config=args.scheduler_config,
         resilience=resilience,
         security=security,
+        sync=sync,
     )
     try:
         state = AppState(config)
@@ -209,6 +280,12 @@ def _serve(args: argparse.Namespace) -> int:
     app = PDGateApp(state)
     listeners = 1 if args.admin_port is None else 2
     ensure_fd_limit(edge.max_connections * listeners + UPSTREAM_MAX_CONNECTIONS + FD_RESERVE)
+    shared = sync is not None and sync.workers > 1
+    sockets = (
+        reuseport_socket(args.host, args.port) if shared else None,
+        reuseport_socket(args.host, args.admin_port)
+        if shared and args.admin_port is not None else None,
+    )
     return DrainingRunner(
         app,
         app.ops,
@@ -219,68 +296,111 @@ def _serve(args: argparse.Namespace) -> int:
         drain=state.resilience.drain,
         config=config.resilience,
         edge=Edge(edge, state.registry),
+        sockets=sockets,
     ).run()
 
 
-def _up(args: argparse.Namespace) -> int:
-    from router.local_cluster import LocalCluster
+def _local(args: argparse.Namespace) -> int:
+    """`up` and `demo`: own a local cluster; 0 after a clean stop, 1 if a child failed.
 
-    with LocalCluster(args.config, args.port, quiet=False) as cluster:
-        print(f"pdgate is serving on {cluster.router_url}/v1 with {len(cluster.pods)} "
-              "simulated pods; Ctrl-C stops everything.", flush=True)
-        cluster.wait()
-    return 0
+    SIGTERM, SIGINT and SIGHUP (a closed terminal) all stop the cluster in order; a
+    second one cuts the router's drain short, a third kills every child.
+    """
+    if args.command == "demo":
+        try:
+            import openai  # noqa: F401
+        except ImportError:
+            print("pdgate demo needs the openai SDK: pip install 'pdgate[test]'",
+                  file=sys.stderr)
+            return 1
+        print(f"Starting the Mooncake master, simulated pods and the router from "
+              f"{args.config}/ ...", flush=True)
+    from engine_sim.mooncake_master import MooncakeMasterError
+    from router.local_cluster import ChildFailed, Interrupted, LocalCluster
 
-
-def _demo(args: argparse.Namespace) -> int:
+    cluster = LocalCluster(args.config, args.port, args.log_dir, args.drain_grace)
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, cluster.request_stop)
+    failure: str | None = None
     try:
-        import openai
-    except ImportError:
-        print("pdgate demo needs the openai SDK: pip install 'pdgate[test]'", file=sys.stderr)
+        with cluster:
+            try:
+                if args.command == "up":
+                    _up(cluster)
+                else:
+                    _demo(cluster)
+            except ChildFailed as exc:
+                # Say it at once: stopping the rest may take the router's drain.
+                print(f"pdgate {args.command}: {exc}\nStopping the rest of the cluster.",
+                      file=sys.stderr, flush=True)
+                return 1
+    except ChildFailed as exc:
+        failure = str(exc)
+    except MooncakeMasterError as exc:
+        failure = f"the Mooncake master failed to start: {exc}"
+    except Interrupted:
+        print("Stopped while starting.", flush=True)
+    if failure is not None:
+        print(f"pdgate {args.command}: {failure}", file=sys.stderr, flush=True)
         return 1
-    from router.local_cluster import LocalCluster
-
-    print(f"Starting the Mooncake master, simulated pods and the router from {args.config}/ ...")
-    with LocalCluster(args.config, args.port) as cluster:
-        for spec in cluster.pods:
-            endpoint = spec.endpoint
-            print(f"  pod {endpoint.pod_name:<28} {endpoint.role:<8} group={endpoint.group} "
-                  f"{endpoint.ip}:{endpoint.port}")
-        client = openai.OpenAI(base_url=f"{cluster.router_url}/v1", api_key="demo")
-        raw = client.chat.completions.with_raw_response.create(
-            model=DEMO_MODEL,
-            messages=[{"role": "user", "content": DEMO_QUESTION}],
-            stream=False,
-        )
-        completion = raw.parse()
-        print(f"\nQ: {DEMO_QUESTION}")
-        print(f"A: {completion.choices[0].message.content}")
-        print(f"   prefill pod: {raw.headers.get('x-pdgate-prefill-pod')}")
-        print(f"   decode pod:  {raw.headers.get('x-pdgate-decode-pod')}")
-        print(f"   request id:  {raw.headers.get('x-request-id')}")
-        if completion.usage is not None:
-            print(f"   tokens: {completion.usage.prompt_tokens} prompt, "
-                  f"{completion.usage.completion_tokens} completion "
-                  "(the engines' real DeepSeek tokenizer)")
-        first = cluster.pods[0].endpoint if cluster.pods else None
-        tokenized = None if first is None else _tokenize(
-            first.base_url, [{"role": "user", "content": DEMO_QUESTION}]
-        )
-        if tokenized is not None:
-            strs = tokenized.get("token_strs") or []
-            print(f"   the prompt as the engine tokenizes it ({tokenized.get('count')} tokens): "
-                  + " ".join(str(s) for s in strs))
-        pods = {spec.endpoint.pod_name: spec.endpoint for spec in cluster.pods}
-        request_id = raw.headers.get("x-request-id", "")
-        for header, verb in (("x-pdgate-prefill-pod", "wrote"), ("x-pdgate-decode-pod", "read")):
-            served_by = pods.get(raw.headers.get(header, ""))
-            if served_by is None:
-                continue
-            record = _sim_record(served_by.base_url, request_id)
-            if record is not None:
-                print(f"   {served_by.pod_name} {verb} {record['blocks']} "
-                      "KV block(s) through the Mooncake Store")
+    if args.command == "up":
+        print("Stopped.", flush=True)
+    cluster.remove_logs()
     return 0
+
+
+def _up(cluster: LocalCluster) -> None:
+    print(f"pdgate is serving on {cluster.router_url}/v1 with {len(cluster.pods)} "
+          f"simulated pods; logs in {cluster.log_dir}; Ctrl-C stops everything.", flush=True)
+    cluster.watch()
+    print(f"Stopping: the router drains first (up to {cluster.drain_grace_s:g} s; a second "
+          "Ctrl-C cuts it short), then the pods and the Mooncake master.", flush=True)
+
+
+def _demo(cluster: LocalCluster) -> None:
+    import openai
+
+    for spec in cluster.pods:
+        endpoint = spec.endpoint
+        print(f"  pod {endpoint.pod_name:<28} {endpoint.role:<8} group={endpoint.group} "
+              f"{endpoint.ip}:{endpoint.port}")
+    client = openai.OpenAI(base_url=f"{cluster.router_url}/v1", api_key="demo",
+                           timeout=DEMO_TIMEOUT_S)
+    raw = client.chat.completions.with_raw_response.create(
+        model=DEMO_MODEL,
+        messages=[{"role": "system", "content": DEMO_SYSTEM},
+                  {"role": "user", "content": DEMO_QUESTION}],
+        stream=False,
+    )
+    completion = raw.parse()
+    print(f"\nQ: {DEMO_QUESTION}")
+    print(f"A: {completion.choices[0].message.content}")
+    print(f"   prefill pod: {raw.headers.get('x-pdgate-prefill-pod')}")
+    print(f"   decode pod:  {raw.headers.get('x-pdgate-decode-pod')}")
+    print(f"   request id:  {raw.headers.get('x-request-id')}")
+    if completion.usage is not None:
+        print(f"   tokens: {completion.usage.prompt_tokens} prompt, "
+              f"{completion.usage.completion_tokens} completion "
+              "(the engines' real DeepSeek tokenizer)")
+    first = cluster.pods[0].endpoint if cluster.pods else None
+    tokenized = None if first is None else _tokenize(
+        first.base_url, [{"role": "system", "content": DEMO_SYSTEM},
+                         {"role": "user", "content": DEMO_QUESTION}]
+    )
+    if tokenized is not None:
+        strs = tokenized.get("token_strs") or []
+        print(f"   the prompt as the engine tokenizes it ({tokenized.get('count')} tokens): "
+              + " ".join(str(s) for s in strs))
+    pods = {spec.endpoint.pod_name: spec.endpoint for spec in cluster.pods}
+    request_id = raw.headers.get("x-request-id", "")
+    for header, verb in (("x-pdgate-prefill-pod", "wrote"), ("x-pdgate-decode-pod", "read")):
+        served_by = pods.get(raw.headers.get(header, ""))
+        if served_by is None:
+            continue
+        record = _sim_record(served_by.base_url, request_id)
+        if record is not None:
+            print(f"   {served_by.pod_name} {verb} {record['blocks']} "
+                  "KV block(s) through the Mooncake Store")
 
 
 def _tokenize(base_url: str, messages: list[dict[str, str]]) -> dict[str, Any] | None:

@@ -4,9 +4,16 @@ A pod's count rises the moment the router commits a request to it (before any by
 sent) and falls on every exit path, so two requests arriving together never both see
 an idle pod. Counters live here, not in the scheduler, so every scorer and the metrics
 read the same numbers.
+
+Other router processes (`router.sync`: workers of this host, peer replicas) report their
+own counts; `get` adds them, so every scorer sees the load of the whole fleet. Their sum
+is kept per pod (`_remote`), replaced whole per origin, never incremented blindly: a lost
+message is repaired by the origin's next report, and a silent origin is dropped whole.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Gauge
 
@@ -25,17 +32,68 @@ class InFlight:
             registry=registry,
         )
         self._children: dict[tuple[str, str], Gauge] = {}
+        #: Requests other router processes have in flight, summed per pod.
+        self._remote: dict[str, int] = {}
+        #: origin -> pod -> that origin's last reported count.
+        self._by_origin: dict[str, dict[str, int]] = {}
+        #: Called with (pod key, this process's new count) on every change (`router.sync`).
+        self.listener: Callable[[str, int], None] | None = None
 
     def get(self, endpoint: Endpoint) -> int:
-        return self._counts.get(endpoint.key, 0)
+        key = endpoint.key
+        return self._counts.get(key, 0) + self._remote.get(key, 0)
+
+    def local(self, key: str) -> int:
+        """This process's own count for pod `key` (what it reports to its peers)."""
+        return self._counts.get(key, 0)
+
+    def local_counts(self) -> dict[str, int]:
+        return dict(self._counts)
+
+    def seen(self) -> dict[str, int]:
+        """Every pod's count as the scorers see it: this process's plus its peers'."""
+        out = dict(self._remote)
+        for key, count in self._counts.items():
+            out[key] = out.get(key, 0) + count
+        return out
+
+    def set_remote(self, origin: str, key: str, count: int) -> None:
+        """`origin` (another router process) now has `count` requests in flight on `key`."""
+        counts = self._by_origin.setdefault(origin, {})
+        delta = count - counts.get(key, 0)
+        if not delta:
+            return
+        if count > 0:
+            counts[key] = count
+        else:
+            counts.pop(key, None)
+        left = self._remote.get(key, 0) + delta
+        if left > 0:
+            self._remote[key] = left
+        else:
+            self._remote.pop(key, None)
+
+    def replace_remote(self, origin: str, counts: dict[str, int]) -> None:
+        """`origin`'s whole report (its heartbeat): pods it no longer names count zero."""
+        for key in [k for k in self._by_origin.get(origin, {}) if k not in counts]:
+            self.set_remote(origin, key, 0)
+        for key, count in counts.items():
+            self.set_remote(origin, key, count)
+
+    def drop_origin(self, origin: str) -> None:
+        """`origin` went silent: its counts no longer weigh on any pod."""
+        self.replace_remote(origin, {})
+        self._by_origin.pop(origin, None)
 
     def total(self) -> int:
         return sum(self._counts.values())
 
     def acquire(self, endpoint: Endpoint) -> None:
         key = endpoint.key
-        self._counts[key] = self._counts.get(key, 0) + 1
+        count = self._counts[key] = self._counts.get(key, 0) + 1
         self._child(endpoint).inc()
+        if self.listener is not None:
+            self.listener(key, count)
 
     def release(self, endpoint: Endpoint) -> None:
         key = endpoint.key
@@ -45,6 +103,8 @@ class InFlight:
         else:
             self._counts.pop(key, None)
         self._child(endpoint).dec()
+        if self.listener is not None:
+            self.listener(key, max(0, left))
 
     def _child(self, endpoint: Endpoint) -> Gauge:
         label = (endpoint.key, endpoint.role)

@@ -2,6 +2,14 @@
 
 Labelled children are cached: a prometheus-client `labels()` lookup costs about as
 much as the observation itself, and the data path observes several per request.
+
+Token timing follows vLLM's metrics (`time_to_first_token_seconds`,
+`inter_token_latency_seconds`) as a client sees them through the router; see
+`router/timing.py` for what TTFT and its phases cover. The `model` label carries only
+names a route serves: a request for no known model (unparsable, unknown name) is counted
+with `model=""`, which Prometheus treats as no model label, so per-model panels leave it
+out and the dashboard shows it apart. An engine's 4xx refusal of the client's own input
+(other than 408/429) is a client error (`pdgate_client_errors_total`), not an upstream one.
 """
 
 from __future__ import annotations
@@ -11,6 +19,21 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
 )
+#: vLLM's TTFT buckets, with finer steps below 100 ms where a router's phases live.
+TTFT_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.06, 0.08, 0.1, 0.125, 0.15,
+    0.175, 0.2, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0,
+)
+#: vLLM's inter-token latency buckets, plus the sub-10 ms steps of fast engines.
+ITL_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)
+TOKENS_PER_SECOND_BUCKETS = (
+    1.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0, 5000.0, 10000.0,
+)
+#: Phases of `pdgate_ttft_phase_seconds` (see router/timing.py).
+TTFT_PHASES = ("admission", "schedule", "retry", "prefill", "kv_handoff", "first_token")
 
 
 class RouterMetrics:
@@ -25,8 +48,27 @@ class RouterMetrics:
             ["model"], buckets=LATENCY_BUCKETS, registry=registry,
         )
         self.ttft = Histogram(
-            "pdgate_ttft_seconds", "Time to the first streamed byte of the answer.",
-            ["model"], buckets=LATENCY_BUCKETS, registry=registry,
+            "pdgate_ttft_seconds",
+            "Streams only: time from the request's arrival to the first chunk carrying "
+            "generated content sent to the client.",
+            ["model"], buckets=TTFT_BUCKETS, registry=registry,
+        )
+        self.ttft_phase = Histogram(
+            "pdgate_ttft_phase_seconds",
+            "Streams only: the parts of pdgate_ttft_seconds (admission, schedule, retry, "
+            "prefill, kv_handoff, first_token); they add up to it.",
+            ["phase"], buckets=TTFT_BUCKETS, registry=registry,
+        )
+        self.itl = Histogram(
+            "pdgate_inter_token_latency_seconds",
+            "Streams only: time between consecutive chunks carrying content, as relayed.",
+            ["model"], buckets=ITL_BUCKETS, registry=registry,
+        )
+        self.tokens_per_second = Histogram(
+            "pdgate_output_tokens_per_second",
+            "Streams with usage: (completion tokens - 1) / (last content - first content), "
+            "one observation per request.",
+            ["model"], buckets=TOKENS_PER_SECOND_BUCKETS, registry=registry,
         )
         self.phase = Histogram(
             "pdgate_phase_duration_seconds",
@@ -40,6 +82,12 @@ class RouterMetrics:
         self.upstream_errors = Counter(
             "pdgate_upstream_errors", "Upstream failures, by reason and phase.",
             ["reason", "phase"], registry=registry,
+        )
+        self.client_errors = Counter(
+            "pdgate_client_errors",
+            "Requests an engine refused as the client's own error (4xx other than 408 and "
+            "429), by status and phase: not an upstream failure.",
+            ["status", "phase"], registry=registry,
         )
         self.ambiguous_pods = Gauge(
             "pdgate_pods_left_out",
@@ -60,8 +108,18 @@ class RouterMetrics:
         counter.inc()  # type: ignore[attr-defined]
         self._hist(self.duration, "d", model).observe(seconds)
 
-    def first_byte(self, model: str, seconds: float) -> None:
+    def first_token(self, model: str, seconds: float, laps: list[tuple[str, float]]) -> None:
+        """A stream's TTFT and its phases (laps of one clock: they add up to it)."""
         self._hist(self.ttft, "t", model).observe(seconds)
+        for phase, lap in laps:
+            self._hist(self.ttft_phase, "tp", phase).observe(lap)
+
+    def inter_token(self, model: str) -> Histogram:
+        """The ITL child of `model`, fetched once per stream."""
+        return self._hist(self.itl, "i", model)
+
+    def output_rate(self, model: str, tokens_per_second: float) -> None:
+        self._hist(self.tokens_per_second, "o", model).observe(tokens_per_second)
 
     def phase_done(self, phase: str, seconds: float) -> None:
         self._hist(self.phase, "p", phase).observe(seconds)
@@ -71,6 +129,9 @@ class RouterMetrics:
 
     def upstream_error(self, reason: str, phase: str) -> None:
         self.upstream_errors.labels(reason=reason, phase=phase).inc()
+
+    def client_error(self, status: int, phase: str) -> None:
+        self.client_errors.labels(status=str(status), phase=phase).inc()
 
     def _hist(self, histogram: Histogram, tag: str, label: str) -> Histogram:
         key = (tag, label)

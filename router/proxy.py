@@ -52,6 +52,8 @@ from router.routing import ModelNotFound, NoRoute, RouteDecision, resolve
 from router.scheduling import Pick, Scheduler, ScheduleRequest
 from router.security.ratelimit import TokenRateLimiter
 from router.security.usage import StreamUsage, body_completion_tokens
+from router.timing import CONTENT, Timeline
+from router.tracing import Tracing
 from router.upstream import MAX_JSON_BODY_BYTES, Upstream, read_body
 from router.view import ClusterView, Endpoint, ServerPods
 
@@ -69,20 +71,29 @@ _NOT_THE_PODS_FAULT = frozenset(("bad_config",))
 _DONE = b"data: [DONE]"
 #: How many bytes of a stream's end are kept to check that it ended with `[DONE]`.
 _TAIL = 32
+#: The Responses API's last event (vLLM sends no `[DONE]` after it): any of these.
+_RESPONSE_ENDS = (b"event: response.completed", b"event: response.incomplete",
+                  b"event: response.failed")
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 
 class Responder:
-    """Wraps the ASGI `send`, remembering whether the client has seen any byte."""
+    """Wraps the ASGI `send`, remembering whether the client has seen any byte.
 
-    __slots__ = ("_send", "finished", "started", "status")
+    `clock` times the request from `arrived` (the ASGI call) for TTFT and its phases.
+    """
 
-    def __init__(self, send: Send) -> None:
+    __slots__ = ("_send", "clock", "finished", "sse_error", "started", "status")
+
+    def __init__(self, send: Send, arrived: float | None = None) -> None:
         self._send = send
+        self.clock = Timeline(arrived)
         self.started = False
         self.finished = False  # the last body chunk went out
         self.status = 0
+        #: The mid-stream form of an error in this stream's protocol (`stream_error_form`).
+        self.sse_error: Callable[[APIError], bytes] = APIError.sse_event
 
     async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self.started = True
@@ -92,6 +103,20 @@ class Responder:
     async def body(self, data: bytes, more: bool = False) -> None:
         self.finished = not more
         await self._send({"type": "http.response.body", "body": data, "more_body": more})
+
+    async def end(self, error: APIError, request_id: str | None = None) -> None:
+        """End the response with `error`, whatever the client has seen of it so far.
+
+        Before the first byte: the whole error response, with its status. After it (only
+        streams send headers before their answer is complete): the mid-stream form in the
+        stream's protocol (`sse_error`), so the client reads an ending rather than a cut.
+        """
+        if self.finished:
+            return
+        if self.started:
+            await self.body(self.sse_error(error))
+        else:
+            await self.error(error, request_id)
 
     async def error(self, error: APIError, request_id: str | None = None) -> None:
         headers = [(b"content-type", b"application/json")]
@@ -117,8 +142,11 @@ class Attempt:
     usage: StreamUsage | None = None  # the stream's usage watcher (track_usage only)
     output_tokens: int = 0  # a non-streaming answer's completion tokens (track_usage only)
     waiting_on: Endpoint | None = None  # the pod whose answer is awaited (blamed on timeout)
+    first_lap: str = "first_token"  # the TTFT phase the first content closes (timing.py)
     pick: Pick | None = None  # the pair of the latest attempt
     failure: UpstreamError | None = None  # the latest attempt's failure
+    span: Any = None  # the request's root span (tracing on only)
+    attempts: int = 0
 
 
 class _RetryRefused(Exception):
@@ -138,6 +166,7 @@ class Proxy:
         outliers: OutlierDetector | None = None,
         limiter: TokenRateLimiter | None = None,
         retry_budget: RetryBudget | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.view = view
         self.scheduler = scheduler
@@ -148,18 +177,50 @@ class Proxy:
         self.outliers = outliers or OutlierDetector(ResilienceConfig(consecutive_failures=0))
         self.limiter = limiter
         self.retry_budget = retry_budget or RetryBudget()
+        self.tracing = tracing
 
     async def serve(
         self, parsed: ParsedRequest, client_headers: Mapping[str, str], out: Responder
     ) -> None:
         """Answer one request, with the decode pod's answer or an OpenAI error."""
+        out.clock.lap("admission")
+        out.sse_error = stream_error_form(parsed)
         request_id = client_headers.get("x-request-id")
         if request_id is None or not _REQUEST_ID.fullmatch(request_id):
             request_id = uuid.uuid4().hex
+        tracing = self.tracing
+        if tracing is None:
+            await self._serve(parsed, client_headers, out, request_id, None)
+            return
+        span = tracing.request(client_headers, parsed.path, request_id)
+        try:
+            await self._serve(parsed, client_headers, out, request_id, span)
+        finally:
+            span.set_attribute("http.response.status_code", out.status)
+            if out.status >= 500:
+                tracing.fail(span, f"status {out.status}")
+            span.end()
+
+    async def _serve(
+        self, parsed: ParsedRequest, client_headers: Mapping[str, str], out: Responder,
+        request_id: str, span: Any,
+    ) -> None:
+        tracing = self.tracing
+        route_span = None
+        if span is not None and tracing is not None:
+            route_span = tracing.child(span, "route", {"gen_ai.request.model": parsed.model})
         try:
             decision = resolve(
                 self.view.snapshot, parsed.model, client_headers, parsed.path, self.rng
             )
+            if route_span is not None:
+                meta = decision.server.server.meta
+                route_span.set_attributes({
+                    "pdgate.route": f"{decision.route.meta.namespace}/"
+                                    f"{decision.route.meta.name}",
+                    "pdgate.model_server": f"{meta.namespace}/{meta.name}",
+                    "pdgate.upstream_model": decision.upstream_model,
+                })
         except ModelNotFound:
             await out.error(model_not_found(parsed.model), request_id)
             return
@@ -167,17 +228,22 @@ class Proxy:
             await out.error(service_unavailable(f"No route serves model `{parsed.model}`: "
                                                 f"{exc.reason}."), request_id)
             return
+        finally:
+            if route_span is not None:
+                route_span.end()
         route = decision.route
         limit = route.rate_limit
         track_usage = False
         if limit is not None and self.limiter is not None:
+            if limit.input_tokens_per_unit:
+                await self._count_tokens(decision.server, parsed)
             try:
                 await self.limiter.admit(route, parsed)
             except APIError as exc:
                 await out.error(exc, request_id)
                 return
             track_usage = bool(limit.output_tokens_per_unit)
-            if track_usage and parsed.stream:
+            if track_usage and parsed.stream and parsed.flow == "pd":
                 options = parsed.body.get("stream_options") or {}
                 parsed.body["stream_options"] = {**options, "include_usage": True}
         server = decision.server.server
@@ -201,6 +267,7 @@ class Proxy:
             client_headers=client_headers,
             deadline=loop.time() + (server.timeout_s or DEFAULT_TIMEOUT_SECONDS),
             track_usage=track_usage,
+            span=span,
         )
         budget = self.retry_budget
         budget.requests += 1
@@ -209,9 +276,9 @@ class Proxy:
                 await self._serve_with_retries(attempt, out)
         except TimeoutError:
             self.metrics.upstream_error("timeout", "request")
-            await self._fail(out, gateway_timeout(), request_id)
+            await out.end(gateway_timeout(), request_id)
         except APIError as exc:
-            await self._fail(out, exc, request_id)
+            await out.end(exc, request_id)
         finally:
             budget.requests -= 1
             if track_usage and self.limiter is not None:
@@ -219,11 +286,16 @@ class Proxy:
                 tokens = usage.charged if usage is not None else attempt.output_tokens
                 self.limiter.settle_output(route, tokens)
 
-    async def _fail(self, out: Responder, error: APIError, request_id: str) -> None:
-        if out.started:
-            await out.body(error.sse_event())
-        else:
-            await out.error(error, request_id)
+    async def _count_tokens(self, server: ServerPods, parsed: ParsedRequest) -> None:
+        """The prompt's tokens by the server's tokenizer, once per request (rate limits);
+        left unset when it has none, so the limiter estimates instead."""
+        prompt_ids = getattr(self.scheduler, "prompt_ids", None)
+        if prompt_ids is None or parsed.prompt_tokens is not None:
+            return
+        prompts = await prompt_ids(server, parsed.path, parsed.body)
+        if prompts:
+            parsed.tokens = prompts[0]
+            parsed.prompt_tokens = sum(len(p) for p in prompts)
 
     async def _serve_with_retries(self, attempt: Attempt, out: Responder) -> None:
         server = attempt.decision.server
@@ -276,6 +348,7 @@ class Proxy:
             raise _RetryRefused
         assert attempt.failure is not None
         self.metrics.retry(attempt.parsed.model, attempt.failure.phase)
+        out.clock.retry()
         try:
             await self._attempt(attempt, target, avoid, out)
         except UpstreamError as exc:
@@ -301,16 +374,32 @@ class Proxy:
         self, attempt: Attempt, server: ServerPods, avoid: set[str], out: Responder
     ) -> None:
         parsed = attempt.parsed
-        request = ScheduleRequest(parsed.model, parsed.path, parsed.body, attempt.client_headers)
-        prepare = getattr(self.scheduler, "prepare", None)
-        if prepare is not None:
-            await prepare(server, request)  # big prompts: tokenized off the event loop
-        pick = self.scheduler.pick(server, request, frozenset(avoid))
+        out.clock.attempt()
+        attempt.attempts += 1
+        request = ScheduleRequest(parsed.model, parsed.path, parsed.body, attempt.client_headers,
+                                  parsed.tokens, flow=parsed.flow)
+        tracing = self.tracing
+        span = None
+        if tracing is not None and attempt.span is not None:
+            span = tracing.child(attempt.span, "schedule", {"pdgate.attempt": attempt.attempts,
+                                                            "pdgate.flow": parsed.flow})
+        try:
+            prepare = getattr(self.scheduler, "prepare", None)
+            if prepare is not None:
+                await prepare(server, request)  # big prompts: tokenized off the event loop
+            pick = self.scheduler.pick(server, request, frozenset(avoid))
+            parsed.tokens = request.tokens  # a retry does not tokenize again
+            if span is not None and pick is not None:
+                span.set_attributes(_pick_attributes(pick))
+        finally:
+            if span is not None:
+                span.end()
         if pick is None:
             raise service_unavailable(
                 f"No ready pods serve model `{parsed.model}`.", retry_after=1
             )
         attempt.pick = pick
+        out.clock.lap("schedule")
         for endpoint in pick.endpoints:
             self.inflight.acquire(endpoint)
         prefill_held = pick.prefill
@@ -326,8 +415,12 @@ class Proxy:
         try:
             await self._run_pick(attempt, pick, out, release_prefill)
         except UpstreamError as exc:
-            self.metrics.upstream_error(exc.reason, exc.phase)
-            self._blame(exc)
+            if _clients_fault(exc):
+                assert exc.status is not None
+                self.metrics.client_error(exc.status, exc.phase)
+            else:
+                self.metrics.upstream_error(exc.reason, exc.phase)
+                self._blame(exc)
             raise
         except asyncio.CancelledError:
             # The request's deadline (not the client) cancelled it: the pod awaited hung.
@@ -349,49 +442,109 @@ class Proxy:
         pod = exc.pod
         if not isinstance(pod, Endpoint) or exc.reason in _NOT_THE_PODS_FAULT:
             return
-        if exc.status is not None and 400 <= exc.status < 500 and not exc.retryable:
-            return  # the engine refused the client's input: the pod is fine
         self.outliers.record_failure(pod)
 
     async def _run_pick(
         self, attempt: Attempt, pick: Pick, out: Responder, release_prefill: Callable[[], None]
     ) -> None:
+        """Prefill (PD), then decode and the relay, each timed on the request's clock.
+
+        With tracing on (`attempt.span`), each step is a span whose context reaches its
+        engine in `traceparent`; off, `tracing` is None and no span object is made.
+        """
+        tracing = self.tracing if attempt.span is not None else None
         parsed = attempt.parsed
         handoff: Handoff | None = None
-        started = time.perf_counter()
+        clock = out.clock
+        started = clock.mark  # the pick's lap
+        attempt.first_lap = "first_token"
         if pick.prefill is not None:
             attempt.waiting_on = pick.prefill
-            call = PDCall(
-                path=parsed.path,
-                body=parsed.body,
-                headers=attempt.headers,
-                request_id=attempt.request_id,
-                prefill=pick.prefill,
-                decode=pick.decode,
-                deadline=attempt.deadline,
-                annotations=attempt.decision.server.server.meta.annotations,
-            )
-            handoff = await attempt.connector.start(call, self.upstream)
+            headers = attempt.headers
+            span = None
+            if tracing is not None:
+                span = tracing.child(attempt.span, "prefill", {
+                    "pdgate.pod": pick.prefill.pod_name, "server.address": pick.prefill.ip,
+                    "server.port": pick.prefill.port, "pdgate.connector": attempt.connector.name,
+                }, client=True)
+                headers = tracing.headers(headers, span)
+            try:
+                handoff = await attempt.connector.start(
+                    self._pd_call(attempt, pick, headers), self.upstream
+                )
+            except UpstreamError as exc:
+                if tracing is not None:
+                    tracing.fail(span, exc.reason)
+                raise
+            finally:
+                if span is not None:
+                    span.end()
             if handoff.prefill_task is None:
                 release_prefill()
-                prefill_s = time.perf_counter() - started
+                prefill_s = clock.lap("prefill") - started
                 self.metrics.phase_done("prefill", prefill_s)
                 if pick.on_prefill is not None:
                     pick.on_prefill(prefill_s)  # calibrates the scheduler's TTFT model
+            else:  # concurrent: prefill runs beside decode until the first content
+                clock.lap("kv_handoff")
+                attempt.first_lap = "prefill"
         decode_body = parsed.body if handoff is None else handoff.decode_body
         phase = "aggregated" if pick.prefill is None else "decode"
         attempt.waiting_on = pick.decode
-        decode_started = time.perf_counter()
+        decode_started = clock.mark
+        decode = handoff_span = relay = None
+        headers = attempt.headers
+        if tracing is not None:
+            decode = tracing.child(attempt.span, "decode", {
+                "pdgate.pod": pick.decode.pod_name, "server.address": pick.decode.ip,
+                "server.port": pick.decode.port, "pdgate.phase": phase,
+            }, client=True)
+            if handoff is not None:
+                handoff_span = tracing.child(attempt.span, "kv_handoff", {
+                    "pdgate.connector": attempt.connector.name,
+                    "pdgate.concurrent": handoff.prefill_task is not None,
+                })
+            attempt.headers = tracing.headers(headers, decode)
         try:
-            response = await self._open_decode(attempt, pick, decode_body, handoff)
+            try:
+                response = await self._open_decode(attempt, pick, decode_body, handoff)
+            finally:
+                attempt.headers = headers
+                if handoff_span is not None:
+                    handoff_span.end()
+            if handoff is not None and handoff.prefill_task is None:
+                clock.lap("kv_handoff")  # decode accepted the handle (its headers are in)
+            if tracing is not None:
+                relay = tracing.child(decode, "relay", {"pdgate.stream": parsed.stream})
             try:
                 await self._relay(attempt, pick, response, out)
             finally:
+                if relay is not None:
+                    relay.end()
                 response.close()
+        except UpstreamError as exc:
+            if tracing is not None:
+                tracing.fail(decode, exc.reason)
+            raise
         finally:
+            if decode is not None:
+                decode.end()
             if handoff is not None and handoff.prefill_task is not None:
                 await _finish_prefill(handoff.prefill_task)
         self.metrics.phase_done(phase, time.perf_counter() - decode_started)
+
+    def _pd_call(self, attempt: Attempt, pick: Pick, headers: dict[str, str]) -> PDCall:
+        assert pick.prefill is not None
+        return PDCall(
+            path=attempt.parsed.path,
+            body=attempt.parsed.body,
+            headers=headers,
+            request_id=attempt.request_id,
+            prefill=pick.prefill,
+            decode=pick.decode,
+            deadline=attempt.deadline,
+            annotations=attempt.decision.server.server.meta.annotations,
+        )
 
     async def _open_decode(
         self,
@@ -446,13 +599,21 @@ class Proxy:
             await out.body(raw)
             return
         usage = None
-        if attempt.track_usage:
-            usage = attempt.usage = StreamUsage(hide=not parsed.include_usage)
-        began = time.perf_counter()
-        first = True
+        if attempt.track_usage or parsed.include_usage:
+            usage = StreamUsage(hide=not parsed.include_usage)
+            if attempt.track_usage:
+                attempt.usage = usage
+        clock = out.clock
+        itl = None  # the ITL histogram child, once the first content went out
+        first_at = last_at = 0.0
         end = b""  # the stream's last bytes, to check it ended with [DONE]
+        responses = parsed.endpoint is not None and parsed.endpoint.stream_end == "responses"
+        ended = False  # a Responses stream's last event went by
         try:
             async for chunk in response.content.iter_any():
+                if responses and not ended:
+                    seen = end + chunk
+                    ended = any(marker in seen for marker in _RESPONSE_ENDS)
                 if len(chunk) >= _TAIL:
                     end = chunk
                 else:
@@ -461,12 +622,26 @@ class Proxy:
                     chunk = usage.feed(chunk)
                     if not chunk:
                         continue
-                if first:
+                if not out.started:
                     await out.start(response.status, headers)
-                    self.metrics.first_byte(parsed.model, time.perf_counter() - began)
-                    first = False
-                await out.body(chunk, more=True)
+                if out.finished:
+                    continue  # after [DONE]: nothing is left to send (the loop reads to EOF)
+                # The chunk that carries [DONE] ends the response itself (one write, the
+                # chunked terminator in it) unless a usage tail may still follow it.
+                await out.body(chunk, more=usage is not None or not _ends_done(end))
+                if CONTENT.search(chunk) is None:
+                    continue
+                if itl is None:  # the first token reached the client
+                    first_at = last_at = clock.lap(attempt.first_lap)
+                    self.metrics.first_token(parsed.model, first_at - clock.arrived, clock.laps)
+                    itl = self.metrics.inter_token(parsed.model)
+                else:
+                    now = time.perf_counter()
+                    itl.observe(now - last_at)
+                    last_at = now
         except aiohttp.ClientError:
+            if out.finished:
+                return  # the engine went away after [DONE]: the client has it all
             if not out.started:
                 raise UpstreamError(
                     "disconnect", "The engine dropped the stream.", retryable=True,
@@ -483,17 +658,52 @@ class Proxy:
                 "empty_response", "The engine closed the stream without data.",
                 retryable=True, pod=pick.decode, phase="decode",
             )
-        if not end.rstrip().endswith(_DONE):
+        if not (ended if responses else _ends_done(end)):
             await self._cut_short(pick, out, "truncated", "The engine ended the stream early.")
             return
-        await out.body(b"")
+        if not out.finished:
+            await out.body(b"")
+        tokens = usage.tokens if usage is not None else None
+        if tokens is not None and tokens > 1 and last_at > first_at:
+            self.metrics.output_rate(parsed.model, (tokens - 1) / (last_at - first_at))
 
     async def _cut_short(self, pick: Pick, out: Responder, reason: str, message: str) -> None:
-        """End a stream the engine broke off: an error event and `[DONE]`, nothing spliced."""
+        """End a stream the engine broke off: an error event (and `[DONE]` where the API
+        has one), nothing spliced."""
         self.metrics.upstream_error(reason, "decode")
         self.outliers.record_failure(pick.decode)
-        await out.body(bad_gateway(message).sse_event(), more=True)
+        await out.body(out.sse_error(bad_gateway(message)), more=True)
         await out.body(b"")
+
+
+def stream_error_form(parsed: ParsedRequest) -> Callable[[APIError], bytes]:
+    """The mid-stream form of an error in the request's stream protocol.
+
+    Chat and completions: a `data:` event with the OpenAI error, then `[DONE]`. Responses
+    API: its `error` event (`type`, `code`, `message`, `param`), which also carries the
+    OpenAI `error` object so the openai SDK raises it; no `[DONE]` (the API has none).
+    """
+    if parsed.endpoint is None or parsed.endpoint.stream_end != "responses":
+        return APIError.sse_event
+    return _responses_error_event
+
+
+def _responses_error_event(error: APIError) -> bytes:
+    payload = {"type": "error", "code": error.code, "message": error.message,
+               "param": error.param, **error.payload()}
+    return b"event: error\ndata: " + orjson.dumps(payload) + b"\n\n"
+
+
+def _pick_attributes(pick: Pick) -> dict[str, Any]:
+    """A schedule span's attributes: the chosen pods and their costs."""
+    attributes: dict[str, Any] = {"pdgate.decode.pod": pick.decode.pod_name}
+    if pick.decode_cost is not None:
+        attributes["pdgate.decode.cost"] = pick.decode_cost
+    if pick.prefill is not None:
+        attributes["pdgate.prefill.pod"] = pick.prefill.pod_name
+        if pick.prefill_cost is not None:
+            attributes["pdgate.prefill.cost"] = pick.prefill_cost
+    return attributes
 
 
 async def _finish_prefill(task: asyncio.Task[Any]) -> None:
@@ -505,15 +715,29 @@ async def _finish_prefill(task: asyncio.Task[Any]) -> None:
         pass
 
 
+def _ends_done(tail: bytes) -> bool:
+    """Whether a stream's last bytes are its `data: [DONE]` event."""
+    return tail.rstrip().endswith(_DONE)
+
+
 def _kv_lost(exc: UpstreamError) -> bool:
     """Whether decode failed for want of KV (a 503 from decode after its prefill ran)."""
     return exc.phase == "decode" and exc.status == 503
 
 
+def _clients_fault(exc: UpstreamError) -> bool:
+    """Whether the engine refused the client's own input (4xx other than 408/429).
+
+    Such a refusal is a client error: the pod is fine and nothing upstream failed.
+    """
+    return exc.status is not None and 400 <= exc.status < 500 and not exc.retryable
+
+
 def _client_error(exc: UpstreamError) -> APIError:
     if exc.reason == "timeout":
         return gateway_timeout(exc.message)
-    if exc.status is not None and 400 <= exc.status < 500 and not exc.retryable:
+    if _clients_fault(exc):
+        assert exc.status is not None
         return APIError(exc.status, exc.message, code="upstream_rejected")
     return bad_gateway(exc.message, code=exc.reason)
 

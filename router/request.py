@@ -7,11 +7,13 @@ endpoint needs, with sampling fields inside the bounds of `sampling_bounds`.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final, Literal
 
 import orjson
 
+from router import api_surface
 from router.errors import APIError, bad_request
 from router.sampling_bounds import BOUNDS, COMPLETION_LOGPROBS, check_sampling
 
@@ -25,17 +27,53 @@ MAX_MODEL_CHARS = 256
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
+RESPONSES_PATH = "/v1/responses"
+
+#: How an endpoint is served. `pd`: the PD flow on a PD server (prefill, KV hand-off,
+#: decode), one pod on an aggregated one. `generate`: generates, but no KV connector
+#: supports its body, so one pod: aggregated, or a PD server's decode pod computing the
+#: prompt itself. `single`: no generation (pooling, tokenizer): one pod, aggregated or
+#: decode, chosen by load, and no prefix-cache bookkeeping (it leaves no KV behind).
+Flow = Literal["pd", "generate", "single"]
+#: How a stream proves it ended: `done` (`data: [DONE]`, chat and completions) or
+#: `responses` (a `response.completed`/`.incomplete`/`.failed` event; vLLM sends no DONE).
+StreamEnd = Literal["done", "responses"]
+
+
+@dataclass(frozen=True, slots=True)
+class ApiEndpoint:
+    """One data-path endpoint: how it is served and what its body must hold."""
+
+    path: str
+    flow: Flow
+    schema: str  # the OpenAPI component of its body
+    summary: str
+    check: Callable[[dict[str, Any]], None]
+    streams: bool = False  # honours `stream: true`
+    stream_end: StreamEnd = "done"
 
 
 @dataclass(slots=True)
 class ParsedRequest:
-    """A validated request: the body as a dict plus the fields routing reads."""
+    """A validated request: the body as a dict plus the fields routing reads.
+
+    `tokens` / `prompt_tokens`: the first prompt's token ids and the token count of every
+    prompt, by the chosen ModelServer's tokenizer, once someone computed them (the rate
+    limiter or the scheduler, whichever needs them first); never computed twice.
+    """
 
     path: str
     body: dict[str, Any]
     model: str
     stream: bool
     include_usage: bool
+    endpoint: ApiEndpoint | None = None  # None: chat/completions built by hand (tests)
+    tokens: Sequence[int] | None = None  # the prompt's token ids, once computed
+    prompt_tokens: int | None = None  # by the server's tokenizer (rate limits)
+
+    @property
+    def flow(self) -> Flow:
+        return "pd" if self.endpoint is None else self.endpoint.flow
 
 
 def body_too_large(limit: int = MAX_BODY_BYTES) -> APIError:
@@ -69,14 +107,14 @@ def parse_request(path: str, raw: bytes, max_body_bytes: int = MAX_BODY_BYTES) -
         raise bad_request(f"`model` may be at most {MAX_MODEL_CHARS} characters.",
                           param="model")
 
-    if path == CHAT_PATH:
-        _check_messages(body.get("messages"))
-    else:
-        _check_prompt(body.get("prompt"))
-
+    endpoint = ENDPOINTS.get(path, ENDPOINTS[COMPLETIONS_PATH])
+    endpoint.check(body)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise bad_request("`stream` must be a boolean.", param="stream")
+    if endpoint.flow != "pd":
+        check_sampling(body, chat=True)
+        return ParsedRequest(path, body, model, stream and endpoint.streams, False, endpoint)
     for name in ("max_tokens", "max_completion_tokens"):
         _check_token_count(body, name)
     _check_token_count(body, "min_tokens", lowest=0)
@@ -88,7 +126,7 @@ def parse_request(path: str, raw: bytes, max_body_bytes: int = MAX_BODY_BYTES) -
         if not isinstance(options, dict):
             raise bad_request("`stream_options` must be an object.", param="stream_options")
         include_usage = options.get("include_usage") is True
-    return ParsedRequest(path, body, model, stream, include_usage)
+    return ParsedRequest(path, body, model, stream, include_usage, endpoint)
 
 
 def _check_depth(body: dict[str, Any]) -> None:
@@ -110,6 +148,14 @@ def _nests_within(value: dict[str, Any] | list[Any], depth: int) -> bool:
         if isinstance(child, dict | list) and not _nests_within(child, depth + 1):
             return False
     return True
+
+
+def _check_chat(body: dict[str, Any]) -> None:
+    _check_messages(body.get("messages"))
+
+
+def _check_completion(body: dict[str, Any]) -> None:
+    _check_prompt(body.get("prompt"))
 
 
 def _check_messages(messages: object) -> None:
@@ -142,6 +188,33 @@ def _check_token_count(body: dict[str, Any], name: str, lowest: int = 1) -> None
     if not lowest <= value <= MAX_TOKENS_LIMIT:
         raise bad_request(f"`{name}` must be between {lowest} and {MAX_TOKENS_LIMIT}.",
                           param=name)
+
+
+def _endpoints(*items: ApiEndpoint) -> dict[str, ApiEndpoint]:
+    return {item.path: item for item in items}
+
+
+_RERANK = ("RerankRequest", "Rerank documents against a query (vLLM)",
+           api_surface.check_rerank)
+_SCORE = ("ScoreRequest", "Score text pairs (vLLM)", api_surface.check_score)
+#: Every POST endpoint of the raw-ASGI data path, by path (the app routes these).
+ENDPOINTS: Final[dict[str, ApiEndpoint]] = _endpoints(
+    ApiEndpoint(CHAT_PATH, "pd", "ChatCompletionRequest", "Create a chat completion",
+                _check_chat, streams=True),
+    ApiEndpoint(COMPLETIONS_PATH, "pd", "CompletionRequest", "Create a completion",
+                _check_completion, streams=True),
+    ApiEndpoint(RESPONSES_PATH, "generate", "ResponseRequest", "Create a model response",
+                api_surface.check_responses, streams=True, stream_end="responses"),
+    ApiEndpoint("/v1/embeddings", "single", "EmbeddingRequest", "Create embeddings",
+                api_surface.check_embeddings),
+    ApiEndpoint("/tokenize", "single", "TokenizeRequest", "Tokenize a prompt (vLLM)",
+                api_surface.check_tokenize),
+    ApiEndpoint("/detokenize", "single", "DetokenizeRequest", "Detokenize token ids (vLLM)",
+                api_surface.check_detokenize),
+    *(ApiEndpoint(path, "single", *_RERANK) for path in ("/rerank", "/v1/rerank",
+                                                          "/v2/rerank")),
+    *(ApiEndpoint(path, "single", *_SCORE) for path in ("/score", "/v1/score")),
+)
 
 
 def openapi_paths() -> tuple[dict[str, Any], dict[str, Any]]:
@@ -196,6 +269,7 @@ def openapi_paths() -> tuple[dict[str, Any], dict[str, Any]]:
                 ]},
             },
         },
+        **api_surface.schemas(common["model"], common),
         "Error": {
             "type": "object",
             "required": ["error"],
@@ -240,8 +314,11 @@ def openapi_paths() -> tuple[dict[str, Any], dict[str, Any]]:
             "responses": answers,
         }}
 
-    paths = {
-        CHAT_PATH: operation("Create a chat completion", "ChatCompletionRequest"),
-        COMPLETIONS_PATH: operation("Create a completion", "CompletionRequest"),
-    }
+    paths: dict[str, Any] = {}
+    for path, endpoint in ENDPOINTS.items():
+        item = operation(endpoint.summary, endpoint.schema)
+        # Several paths share a body (vLLM's rerank/score aliases): ids must be unique.
+        if path in ("/v1/rerank", "/v2/rerank", "/v1/score"):
+            item["post"]["operationId"] += "_" + path.strip("/").replace("/", "_")
+        paths[path] = item
     return paths, components

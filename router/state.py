@@ -20,6 +20,9 @@ from router.scheduling import Scheduler
 from router.scheduling.runtime import build_scheduler
 from router.security import Security, SecurityConfig
 from router.sources.base import Source
+from router.sources.kube_events import EventRecorder, model_server_notifier
+from router.sync import SyncConfig, SyncNode
+from router.tracing import tracing_from_env
 from router.upstream import Upstream
 from router.view import ClusterView, Snapshot
 
@@ -38,6 +41,8 @@ class RouterConfig:
     extra_sources: list[Source] = field(default_factory=list)
     resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    #: State shared with other workers and replicas (`router.sync`); None: this one only.
+    sync: SyncConfig | None = None
 
 
 class AppState:
@@ -58,10 +63,16 @@ class AppState:
         )
         self.scheduler_runtime.set_ejection_hook(self.resilience.is_ejected)
         self.security = Security(config.security, self.view, self.registry)
+        self.tracing = tracing_from_env()
         self.proxy = Proxy(
             self.view, self.scheduler, self.inflight, self.upstream, self.metrics,
             outliers=self.resilience.outliers, limiter=self.security.rate_limiter,
-            retry_budget=self.resilience.retry_budget,
+            retry_budget=self.resilience.retry_budget, tracing=self.tracing,
+        )
+        self.sync = None if config.sync is None else SyncNode(
+            config.sync, inflight=self.inflight, outliers=self.resilience.outliers,
+            approx=self.scheduler_runtime.approx, engines=self.scheduler_runtime.engines,
+            scraper=self.scheduler_runtime.scraper, view=self.view, registry=self.registry,
         )
         self.sources: list[Source] = list(config.extra_sources)
         self.started_at = time.time()
@@ -102,12 +113,18 @@ class AppState:
                     registry=self.registry,
                 )
             )
+        for source in self.sources:  # tokenizer mismatches become Kubernetes Events too
+            recorder = getattr(source, "recorder", None)
+            if isinstance(recorder, EventRecorder):
+                self.scheduler_runtime.parity.set_notifier(model_server_notifier(recorder))
         for source in self.sources:
             self._tasks.append(asyncio.create_task(source.run(self.view)))
         self._tasks.append(asyncio.create_task(self.config_watch.run()))
         self._tasks.append(asyncio.create_task(self.scheduler_runtime.run()))
         self._tasks.append(asyncio.create_task(self.resilience.run()))
         self._tasks.append(asyncio.create_task(self.security.run()))
+        if self.sync is not None:
+            self._tasks.append(asyncio.create_task(self.sync.run()))
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -117,4 +134,6 @@ class AppState:
                 await task
         await self.security.close()
         await self.upstream.close()
+        if self.tracing is not None:
+            await asyncio.to_thread(self.tracing.shutdown)  # flushes the last spans
 

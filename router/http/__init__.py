@@ -39,6 +39,11 @@ class Edge:
             "http": protocol_class(self.config, self.metrics.listener(listener)),
             "ws": "none",
             "timeout_keep_alive": self.config.idle_timeout_s,
+            # Nothing reads the client address, so uvicorn's X-Forwarded-For middleware
+            # would be one more ASGI layer per request for nothing; the `server` header
+            # would only advertise the server.
+            "proxy_headers": False,
+            "server_header": False,
         }
 
     def count_open(self, listener: str, connections: Sized) -> None:

@@ -8,6 +8,8 @@ and the retry budget.
 
 from __future__ import annotations
 
+import asyncio
+
 from prometheus_client import CollectorRegistry
 
 from router.resilience.admission import Admission
@@ -39,10 +41,14 @@ class Resilience:
         view.subscribe(self._on_snapshot)
 
     async def run(self) -> None:
-        await self.health.run()
+        async with asyncio.TaskGroup() as group:
+            group.create_task(self.health.run())
+            group.create_task(self.admission.run())
 
     def _on_snapshot(self, snapshot: Snapshot) -> None:
-        self.outliers.forget_absent(snapshot.endpoints())
+        endpoints = snapshot.endpoints()
+        self.outliers.forget_absent(endpoints)
+        self.admission.size_for(sum(1 for pod in endpoints.values() if pod.role != "prefill"))
 
 
 __all__ = [

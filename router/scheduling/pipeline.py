@@ -37,6 +37,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from router.scheduling import Pick, ScheduleRequest
 from router.scheduling.block_hash import CHAT_PATH
@@ -204,6 +205,14 @@ class _Decision:
     commit: Callable[[], None]
 
 
+def _endpoint(path: str, body: dict[str, Any]) -> Prompt:
+    return "chat" if path == CHAT_PATH or isinstance(body.get("messages"), list) else "completion"
+
+
+def _nothing() -> None:
+    """The commit of a decision that records nothing."""
+
+
 def _choose(rng_index: Callable[[int], int], costs: Sequence[float], tolerance: float) -> int:
     best = min(costs)
     limit = best + tolerance
@@ -277,30 +286,40 @@ class PipelineScheduler:
 
     async def _tokenize(self, server: ServerPods, request: ScheduleRequest) -> None:
         deps = self.deps
-        pool, registry = deps.tokenize_pool, deps.tokenizers
+        pool = deps.tokenize_pool
         if (
-            request.tokens is not None
+            request.flow == "single"
+            or request.tokens is not None
             or pool is None
-            or registry is None
             or not self._profiles.config.precise_enabled
+            or (deps.fallback is not None and deps.fallback.reason(server.server) is not None)
         ):
             return
-        tokenizer = registry.get(server.server)
-        if tokenizer is None:
-            return
-        endpoint: Prompt = (
-            "chat"
-            if request.path == CHAT_PATH or isinstance(request.body.get("messages"), list)
-            else "completion"
-        )
-        if prompt_chars(endpoint, request.body) < pool.min_chars:
+        if prompt_chars(_endpoint(request.path, request.body), request.body) < pool.min_chars:
             return  # cheaper inline, in `pick`
-        try:
-            prompts = await pool.request_ids(tokenizer, endpoint, request.body)
-        except ChatInputError:
-            return
+        prompts = await self.prompt_ids(server, request.path, request.body)
         if prompts:
             request.tokens = prompts[0]
+
+    async def prompt_ids(
+        self, server: ServerPods, path: str, body: dict[str, Any]
+    ) -> list[tuple[int, ...]] | None:
+        """Every prompt's token ids by the server's own tokenizer (off the event loop when
+        big), or None: no tokenizer loaded for it, or a body it cannot tokenize (the engine
+        will say why). The proxy calls this at most once per request (the rate limiter's
+        input tokens) and hands the first prompt's ids to `pick` (`ScheduleRequest.tokens`)."""
+        deps = self.deps
+        registry = deps.tokenizers
+        tokenizer = None if registry is None else registry.get(server.server)
+        if tokenizer is None:
+            return None
+        endpoint = _endpoint(path, body)
+        try:
+            if deps.tokenize_pool is None:
+                return tokenizer.request_ids(endpoint, body)
+            return await deps.tokenize_pool.request_ids(tokenizer, endpoint, body)
+        except ChatInputError:
+            return None
 
     def pick(
         self, server: ServerPods, request: ScheduleRequest, avoid: frozenset[str]
@@ -337,6 +356,9 @@ class PipelineScheduler:
             request, server, prompt, self.deps, config.cost_model, self._clock(),
             self._layout(server).costs,
         )
+        flow = request.flow
+        if flow == "single" or (flow == "generate" and server.is_pd):
+            return self._pick_single(profiles, ctx, server, avoid)
         if server.is_pd:
             return self._pick_pd(profiles, ctx, server, avoid)
         return self._pick_aggregated(profiles, ctx, server, avoid)
@@ -403,7 +425,28 @@ class PipelineScheduler:
             if predicted is not None:
                 self.metrics.predicted_aggregated.observe(predicted)
 
-        return _Decision(Pick(decode=cands.pods[index]), predicted, commit)
+        pick = Pick(decode=cands.pods[index], decode_cost=costs[index])
+        return _Decision(pick, predicted, commit)
+
+    def _pick_single(
+        self, profiles: _Profiles, ctx: PickContext, server: ServerPods, avoid: frozenset[str]
+    ) -> _Decision | None:
+        """One pod for a request outside the PD flow: an aggregated pod, or a PD server's
+        decode pod. The role's filters apply, then the least loaded wins (ties at random);
+        scorers are not consulted and nothing is recorded, since the request leaves no
+        prefix in the pod's cache that later requests could reuse."""
+        layout = self._layout(server)
+        if server.is_pd:
+            profile, pods, keys = profiles.decode, layout.decode, layout.decode_keys
+        else:
+            profile, pods, keys = profiles.aggregated, layout.pods, layout.keys
+        if not pods:
+            return None
+        ctx.role = "decode" if server.is_pd else "aggregated"
+        cands = self._narrow(ctx, profile, pods, keys, avoid, 2)
+        loads = cands.loads()
+        index = _choose(self.deps.rng.randrange, loads, 0.0)
+        return _Decision(Pick(decode=cands.pods[index], decode_cost=loads[index]), None, _nothing)
 
     # -- prefill/decode pairs -----------------------------------------------------------------
 
@@ -510,7 +553,8 @@ class PipelineScheduler:
             if predicted is not None:
                 self.metrics.predicted_pd.observe(predicted)
 
-        pick = Pick(decode=dec.pods[di], prefill=pre.pods[pi], on_prefill=on_prefill)
+        pick = Pick(decode=dec.pods[di], prefill=pre.pods[pi], decode_cost=dec_costs[di],
+                    prefill_cost=pre_costs[pi], on_prefill=on_prefill)
         return _Decision(pick, predicted, commit)
 
     def _prefill_ticket(

@@ -21,6 +21,13 @@
   tokenizers (`router.tokenization`, annotation `pdgate.io/tokenizer`) for the precise
   index (see `block_hash.py` for the contract).
 
+Next to the tokenizer registry: `runtime.parity` (`router.tokenization.parity`) probes
+every engine's `/tokenize` against the router's tokens when its pod appears and every
+`PARITY_INTERVAL_S` (one of the background jobs; `parity.set_notifier` sends mismatch
+notices to the Kubernetes Event recorder), and `runtime.fallback`
+(`router.scheduling.fallback`) tells the precise scorer which ModelServers to score with
+the approximate index instead.
+
 `runtime.background()` lists the coroutine factories `run()` runs, for an app that
 prefers to supervise them itself.
 """
@@ -43,6 +50,7 @@ from router.scheduling.approx_index import ApproximatePrefixIndex
 from router.scheduling.block_hash import PreciseHasher, TokenSource
 from router.scheduling.config import SchedulerConfig, key_settings, load_scheduler_config
 from router.scheduling.context import LoadEstimator, SchedulerDeps, SessionTable
+from router.scheduling.fallback import PreciseFallback
 from router.scheduling.filters import never_ejected
 from router.scheduling.kv_events import KVEventsManager, StreamSettings
 from router.scheduling.metrics import SchedulerMetrics
@@ -57,6 +65,7 @@ from router.scheduling.precise_index import PrecisePrefixIndex
 from router.scheduling.ttft_model import TTFTModels
 from router.scheduling.watcher import SchedulerConfigWatcher
 from router.tokenization import TokenizePool, TokenizerRegistry
+from router.tokenization.parity import ParityProber
 from router.view import ClusterView, Snapshot
 
 log = logging.getLogger("pdgate.scheduling")
@@ -112,6 +121,11 @@ class SchedulerRuntime:
         self.engines = EngineMetricsStore()
         self.tokenizers = TokenizerRegistry()
         self.tokenize_pool = TokenizePool()
+        self.parity = ParityProber(self.tokenizers, registry)
+        self.fallback = PreciseFallback(
+            self.tokenizers, self.parity, registry, injected=tokenize is not None,
+            enabled=lambda: self.config.uses("precise-prefix-cache"),
+        )
         self.pools = PoolView()
         self.deps = SchedulerDeps(
             inflight=inflight,
@@ -130,6 +144,7 @@ class SchedulerRuntime:
                 config.cost_model.seed(), config.ttft_model,
                 on_new=self.metrics.track_fit, on_drop=self.metrics.untrack_fit,
             ),
+            fallback=self.fallback,
         )
         self.scheduler = PipelineScheduler(config, self.deps, self.metrics, clock)
         self.scraper = MetricsScraper(
@@ -173,6 +188,8 @@ class SchedulerRuntime:
     def _on_snapshot(self, snapshot: Snapshot) -> None:
         keys = set(snapshot.endpoints())
         self.tokenizers.on_snapshot(snapshot)
+        self.parity.on_snapshot(snapshot)
+        self.fallback.on_snapshot(snapshot)
         self.scheduler.forget_layouts()
         self.approx.retain(keys)
         scopes = {f"{s.server.meta.namespace}/{s.server.meta.name}"
@@ -206,10 +223,11 @@ class SchedulerRuntime:
             self.kv_events.events_port, self.kv_events.replay_port = ports
             self.kv_events.set_enabled(not config.precise_enabled)  # force a refresh
         self.kv_events.set_enabled(config.precise_enabled)
+        self.fallback.check()
 
     def background(self) -> list[BackgroundFactory]:
         """The coroutines that keep the scheduler's inputs fresh."""
-        jobs: list[BackgroundFactory] = [self.kv_events.run, self.scraper.run]
+        jobs: list[BackgroundFactory] = [self.kv_events.run, self.scraper.run, self.parity.run]
         if self.watcher is not None:
             jobs.append(self.watcher.run)
         return jobs

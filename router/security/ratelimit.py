@@ -14,8 +14,12 @@ replica shares them. When Redis cannot be reached the request goes through (coun
 `pdgate_ratelimit_backend_errors_total`): rate limiting protects capacity, it must not
 take the API down with it.
 
-Prompt tokens are estimated without a tokenizer: UTF-8 characters of the prompt text over
-`CHARS_PER_TOKEN`, at least one. Routes without a `rateLimit` cost one attribute test.
+Prompt tokens are the ModelServer's own token count when it names a tokenizer
+(`pdgate.io/tokenizer`): the proxy tokenizes the request once before admission
+(`ParsedRequest.prompt_tokens`) and the scheduler reuses those ids. Without a tokenizer
+(or for a body it cannot tokenize) they are estimated: UTF-8 characters of the prompt
+text over `CHARS_PER_TOKEN`, at least one. Routes without a `rateLimit` cost one
+attribute test.
 """
 
 from __future__ import annotations
@@ -58,14 +62,17 @@ def rate_limited(kind: str, wait_s: float, message: str | None = None) -> APIErr
 
 
 def estimate_prompt_tokens(parsed: ParsedRequest) -> int:
-    """Characters of prompt text / CHARS_PER_TOKEN (token-id prompts count exactly)."""
+    """The tokenizer's count when known, else characters of prompt text / CHARS_PER_TOKEN
+    (token-id prompts count exactly)."""
+    if parsed.prompt_tokens is not None:
+        return max(1, parsed.prompt_tokens)
     body = parsed.body
     chars = 0
     if parsed.path == CHAT_PATH:
         for message in body.get("messages") or ():
             chars += _text_chars(message.get("content") if isinstance(message, dict) else None)
     else:
-        prompt = body.get("prompt")
+        prompt = body.get("prompt", body.get("input"))  # input: embeddings, responses
         if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
             return len(prompt)
         chars = _text_chars(prompt)

@@ -25,7 +25,7 @@ def completion_tokens(payload: Any) -> int | None:
     usage = payload.get("usage")
     if not isinstance(usage, dict):
         return None
-    tokens = usage.get("completion_tokens")
+    tokens = usage.get("completion_tokens", usage.get("output_tokens"))  # output: Responses
     if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 0:
         return tokens
     return None

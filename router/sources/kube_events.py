@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from router.resources import API_VERSION, ModelServer
 from router.sources.kube_metrics import KubeMetrics
 
 log = logging.getLogger(__name__)
@@ -148,3 +149,18 @@ class EventRecorder:
             "lastTimestamp": stamp,
             "count": 1,
         }
+
+
+def model_server_notifier(recorder: EventRecorder) -> Callable[[ModelServer, str, str], None]:
+    """A Warning Event on a ModelServer, for notices from outside the source (tokenizer
+    parity, `router.tokenization.parity`), within the recorder's limits."""
+
+    def notify(server: ModelServer, reason: str, message: str) -> None:
+        meta = server.meta
+        ref = ObjectRef(
+            "ModelServer", API_VERSION, meta.namespace, meta.name, meta.uid,
+            meta.resource_version,
+        )
+        recorder.record(ref, reason, message)
+
+    return notify

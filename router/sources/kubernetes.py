@@ -71,6 +71,11 @@ class KubernetesSource:
         return len(self._informers) == 3 and all(i.synced for i in self._informers.values())
 
     @property
+    def recorder(self) -> EventRecorder | None:
+        """The Warning Event recorder (None when Events are off), for other notices."""
+        return self._recorder
+
+    @property
     def pod_label_selector(self) -> str | None:
         """The label selector of the current pod LIST/WATCH (None: every pod in scope)."""
         pods = self._informers.get(PODS.plural)

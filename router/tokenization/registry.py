@@ -8,12 +8,17 @@ A ModelServer names its tokenizer with annotations (README, "Annotations"):
 - `pdgate.io/chat-template`: a Jinja file that replaces the tokenizer's template (vLLM's
   `--chat-template`); a relative path is relative to the router's working directory.
 
-`on_snapshot` (subscribed to the `ClusterView`) loads each new spec on a background
+`on_snapshot` (subscribed to the `ClusterView`) loads each new spec on one background
 thread when an event loop runs (inline otherwise) and drops tokenizers no server uses.
+One thread, one load at a time: parsing a 128k-entry `tokenizer.json` holds the GIL for
+a second or more, and two at once starved the event loop for over five seconds on a
+2-core machine. Specs that differ only in their chat template share one vocabulary
+(`ModelTokenizer.with_chat_template`): loaded once.
 At most `MAX_TOKENIZERS` distinct specs are held. A spec that fails to load is logged as
 an error once, naming the ModelServer and the reason, and `get` answers None for it (the
-precise scorer then has no tokens for that server: no crash, no guess); it is retried when
-the annotations change.
+precise scorer then falls back to the approximate index for that server,
+`router.scheduling.fallback`: no crash, no guess); it is retried when the annotations
+change. `state(server)` says which of none / loading / loaded / failed applies.
 """
 
 from __future__ import annotations
@@ -22,8 +27,10 @@ import asyncio
 import logging
 import threading
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Final
+from pathlib import Path
+from typing import Final, Literal
 
 from router.resources import ModelServer
 from router.tokenization.source import TokenizerNotFound
@@ -35,6 +42,9 @@ log = logging.getLogger("pdgate.tokenization")
 TOKENIZER_ANNOTATION: Final = "pdgate.io/tokenizer"
 REVISION_ANNOTATION: Final = "pdgate.io/tokenizer-revision"
 CHAT_TEMPLATE_ANNOTATION: Final = "pdgate.io/chat-template"
+TokenizerState = Literal["none", "loading", "loaded", "failed"]
+#: Threads loading tokenizers (one: see the module docstring).
+LOADER_THREADS: Final = 1
 #: Distinct tokenizers held at once (each holds its vocabulary and memos).
 MAX_TOKENIZERS: Final = 16
 
@@ -81,11 +91,26 @@ class TokenizerRegistry:
         self._loading: set[TokenizerSpec] = set()
         self._lock = threading.Lock()
         self._tasks: set[asyncio.Future[None]] = set()
+        self._executor = ThreadPoolExecutor(LOADER_THREADS, thread_name_prefix="pdgate-tokenizer")
 
     def get(self, server: ModelServer) -> ModelTokenizer | None:
         """The server's tokenizer, or None (none configured, still loading, or broken)."""
         spec = self._by_server.get(server.meta.key)
         return None if spec is None else self._loaded.get(spec)
+
+    def state(self, server: ModelServer) -> TokenizerState:
+        """Where the server's tokenizer stands: `none` (no annotation), `loading`,
+        `loaded` or `failed` (see `error`). A few dict lookups: fine per request."""
+        spec = self._by_server.get(server.meta.key)
+        if spec is None:
+            return "none"
+        if spec in self._loaded:
+            return "loaded"
+        return "failed" if spec in self._failed else "loading"
+
+    def spec(self, server: ModelServer) -> TokenizerSpec | None:
+        """The spec the server's annotations name, loaded or not."""
+        return self._by_server.get(server.meta.key)
 
     def error(self, server: ModelServer) -> str | None:
         spec = self._by_server.get(server.meta.key)
@@ -123,13 +148,20 @@ class TokenizerRegistry:
             return
         with self._lock:
             self._loading.add(spec)
-        future = loop.run_in_executor(None, self._load, spec, names)
+        future = loop.run_in_executor(self._executor, self._load, spec, names)
         self._tasks.add(future)
         future.add_done_callback(self._tasks.discard)
 
     def _load(self, spec: TokenizerSpec, names: list[str]) -> None:
         try:
-            tokenizer = self._loader(spec)
+            sibling = self._sibling(spec) if self._loader is load_spec else None
+            tokenizer = (
+                self._loader(spec)
+                if sibling is None
+                else sibling.with_chat_template(
+                    None if spec.chat_template is None else Path(spec.chat_template)
+                )
+            )
         except (TokenizerNotFound, TokenizerLoadError, OSError, ValueError) as exc:
             self._fail(spec, names, str(exc))
         else:
@@ -140,12 +172,21 @@ class TokenizerRegistry:
             with self._lock:
                 self._loading.discard(spec)
 
+    def _sibling(self, spec: TokenizerSpec) -> ModelTokenizer | None:
+        """A loaded tokenizer of the same files (another chat template), if any."""
+        with self._lock:
+            for other, tokenizer in self._loaded.items():
+                if (other.source, other.revision) == (spec.source, spec.revision):
+                    return tokenizer
+        return None
+
     def _fail(self, spec: TokenizerSpec, names: list[str], reason: str) -> None:
         with self._lock:
             self._failed[spec] = reason
         log.error(
-            "ModelServer %s: tokenizer %r unavailable: %s; precise prefix-cache scoring has "
-            "no tokens for it until this is fixed", ", ".join(names), spec.source, reason,
+            "ModelServer %s: tokenizer %r unavailable: %s; precise prefix-cache scoring "
+            "falls back to the approximate index for it until this is fixed",
+            ", ".join(names), spec.source, reason,
         )
 
     async def wait_loaded(self) -> None:

@@ -157,16 +157,23 @@ class ModelTokenizer:
             config = TokenizerConfig.from_dir(directory)
         except TokenizerConfigError as exc:
             raise TokenizerLoadError(str(exc)) from exc
-        template: str | None = None
-        if chat_template_file is not None:
-            try:
-                template = chat_template_file.read_text(encoding="utf-8")
-            except OSError as exc:
-                raise TokenizerLoadError(f"chat template {chat_template_file}: {exc}") from exc
+        template = _read_template(chat_template_file)
         try:
             return cls(
                 backend, config, name=name or str(directory), chat_template=template,
                 piecewise=_piecewise(spec),
+            )
+        except ChatTemplateError as exc:
+            raise TokenizerLoadError(str(exc)) from exc
+
+    def with_chat_template(self, chat_template_file: Path | None) -> ModelTokenizer:
+        """The same vocabulary (shared, not reloaded: loading one holds the GIL for
+        seconds) with another `--chat-template` file (None: the tokenizer's own)."""
+        template = _read_template(chat_template_file)
+        try:
+            return ModelTokenizer(
+                self._backend, self.config, name=self.name, chat_template=template,
+                piecewise=self.piecewise,
             )
         except ChatTemplateError as exc:
             raise TokenizerLoadError(str(exc)) from exc
@@ -429,3 +436,13 @@ def _flag(body: Mapping[str, Any], name: str, default: bool) -> bool:
     if not isinstance(value, bool):
         raise ChatInputError(f"'{name}' must be a boolean")
     return value
+
+
+def _read_template(chat_template_file: Path | None) -> str | None:
+    """A `--chat-template` file's text (None: none given, use the tokenizer's own)."""
+    if chat_template_file is None:
+        return None
+    try:
+        return chat_template_file.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise TokenizerLoadError(f"chat template {chat_template_file}: {exc}") from exc

@@ -39,11 +39,13 @@ class Process:
     argv: list[str]
     log_path: Path
     popen: subprocess.Popen[bytes] | None = None
+    env: dict[str, str] | None = None  # set on top of this process's environment
 
     def start(self) -> None:
         log = self.log_path.open("ab")
         self.popen = subprocess.Popen(
-            self.argv, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ)
+            self.argv, stdout=log, stderr=subprocess.STDOUT,
+            env={**os.environ, **(self.env or {})},
         )
         log.close()
 
@@ -191,7 +193,9 @@ class SimCluster:
         for spec in specs:
             wait_http(f"http://{spec.ip}:{port}/health")
 
-    def start_router(self, extra: Sequence[str] = ()) -> Process:
+    def start_router(
+        self, extra: Sequence[str] = (), env: dict[str, str] | None = None
+    ) -> Process:
         self.router_port = free_port()
         self.router = Process(
             [
@@ -200,6 +204,7 @@ class SimCluster:
                 *extra,
             ],
             self.workdir / "router.log",
+            env=env,
         )
         self.router.start()
         wait_http(f"{self.router_url}/readyz")

@@ -323,6 +323,42 @@ async def test_admission_bounds_answer_503_with_retry_after(
         per_model.process.stop()
 
 
+async def test_default_admission_sheds_an_open_loop_burst_with_503s(
+    faulty: tuple[FaultCluster, Router],
+) -> None:
+    """No bound given: the router sizes one from its pods (here 3 per decode pod, 2 pods)
+    and sheds what goes beyond at once, before parsing, rather than queueing it."""
+    cluster, _ = faulty
+    router = cluster.start_router(["--inflight-per-pod", "3"], name="default-admission")
+    try:
+        bodies = [chat(f"burst {i}", max_tokens=150) for i in range(40)]
+        bodies[7] = {"not": "even a chat request"}  # refused before parsing, not a 400
+
+        async def arrive(i: int) -> tuple[int, dict[str, str], bytes]:
+            await asyncio.sleep(0.005 * i)  # open loop: arrivals ignore the answers
+            return await post(router.url, bodies[i], limit_s=20.0)
+
+        results = await asyncio.gather(*(arrive(i) for i in range(len(bodies))))
+        statuses = [status for status, _, _ in results]
+        assert set(statuses) <= {200, 503}, statuses
+        assert statuses.count(200) >= 6 and statuses.count(503) >= 1
+        assert results[7][0] == 503
+        for status, headers, body in results:
+            if status == 503:
+                assert headers["retry-after"] == "1"
+                assert json.loads(body)["error"]["type"] == "service_unavailable"
+            else:
+                assert json.loads(body)["choices"][0]["message"]["content"]
+        text = router.metrics()
+        assert metric_sum(text, "pdgate_admission_rejected_total") == statuses.count(503)
+        wait_for(lambda: metric_sum(router.metrics(), "pdgate_inflight_requests") == 0,
+                 timeout=5)
+        # The burst is over: the next request is served.
+        assert (await post(router.url, chat("after the burst")))[0] == 200
+    finally:
+        router.process.stop()
+
+
 async def test_sigterm_drains_streams_then_exits_zero(
     faulty: tuple[FaultCluster, Router],
 ) -> None:

@@ -164,7 +164,7 @@ async def test_precise_hits_equal_the_engines_own_prefix_cache_hits(
             assert stream is not None
             await eventually(functools.partial(_caught_up, stream, cache["kv_events"]["last_seq"]))
         body = prompt.body(MODEL, 2, "e-parity")
-        tokens = runtime.deps.hasher.tokens("/v1/chat/completions", body)
+        tokens = runtime.deps.hasher.tokens("/v1/chat/completions", body, server.server)
         assert tokens is not None
         keys = runtime.deps.hasher.block_hashes(tokens.ids, "e-parity", tokens.message_ends, space)
         local, _ = runtime.precise.match(list(pods), scope, keys)

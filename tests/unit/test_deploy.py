@@ -44,6 +44,8 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     },
     "single": {"replicas": 1, "rbac": {"create": False},
                "serviceAccount": {"create": False, "name": "existing"}},
+    "autoscaled": {"autoscaling": {"enabled": True, "targetInflightPerPod": 32},
+                   "scaleOut": {"workers": "auto", "podAntiAffinity": "hard"}},
 }
 
 
@@ -112,7 +114,8 @@ def check_release(docs: list[dict[str, Any]], values: dict[str, Any]) -> None:
     (container,) = spec["containers"]
     assert DNS_LABEL.match(container["name"]) and container["image"]
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert ports == {"http": 8080}
+    sync_port = values.get("scaleOut", {}).get("syncPort", 8090)
+    assert ports == {"http": 8080, "sync": sync_port}
     assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
     assert container["args"][:2] == ["serve", "--kubernetes"]
@@ -131,10 +134,14 @@ def check_release(docs: list[dict[str, Any]], values: dict[str, Any]) -> None:
     drain = values.get("drain", {}).get("seconds", DRAIN_S)
     assert spec["terminationGracePeriodSeconds"] >= pre_stop + drain
 
-    service = one(docs, "Service")
+    services = {d["metadata"]["name"]: d for d in by_kind(docs, "Service")}
+    name = deploy["metadata"]["name"]
+    assert set(services) == {name, f"{name}-peers"}
+    service = services[name]
     assert selects(service["spec"]["selector"], pod_labels)
     (port,) = service["spec"]["ports"]
     assert (port["port"], port["targetPort"]) == (80, "http")
+    check_peers(services[f"{name}-peers"], container, pod_labels)
 
     account = spec["serviceAccountName"]
     if values.get("serviceAccount", {}).get("create", True):
@@ -154,7 +161,38 @@ def check_release(docs: list[dict[str, Any]], values: dict[str, Any]) -> None:
         assert monitor["spec"]["endpoints"][0]["port"] == "http"
 
 
+def check_peers(
+    peers: dict[str, Any], container: dict[str, Any], pod_labels: dict[str, str]
+) -> None:
+    """Replicas find each other: a headless Service on the sync port, named in the args."""
+    assert peers["spec"]["clusterIP"] == "None"
+    assert selects(peers["spec"]["selector"], pod_labels)
+    (port,) = peers["spec"]["ports"]
+    assert (port["name"], port["targetPort"]) == ("sync", "sync")
+    args = container["args"]
+    assert args[args.index("--peer-service") + 1] == peers["metadata"]["name"]
+    assert int(args[args.index("--sync-port") + 1]) == port["port"]
+    assert "POD_IP" in {e["name"] for e in container["env"]}
+
+
+def _peer_rbac(docs: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    def peers(d: dict[str, Any]) -> bool:
+        return bool(d["metadata"]["name"].endswith("-peers"))
+
+    return ([d for d in by_kind(docs, "Role") if peers(d)],
+            [d for d in by_kind(docs, "RoleBinding") if peers(d)])
+
+
 def check_rbac(docs: list[dict[str, Any]], account: str, namespace: str) -> None:
+    (peer_role,), (peer_binding,) = _peer_rbac(docs)
+    assert peer_role["metadata"]["namespace"] == namespace
+    assert peer_role["rules"] == [{"apiGroups": ["discovery.k8s.io"],
+                                   "resources": ["endpointslices"], "verbs": ["list"]}]
+    assert peer_binding["roleRef"]["name"] == peer_role["metadata"]["name"]
+    assert peer_binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": account, "namespace": namespace}
+    ]
+    docs = [d for d in docs if d not in (peer_role, peer_binding)]
     roles = by_kind(docs, "ClusterRole") + by_kind(docs, "Role")
     bindings = by_kind(docs, "ClusterRoleBinding") + by_kind(docs, "RoleBinding")
     assert len(roles) == 1 and len(bindings) == 1
@@ -197,8 +235,33 @@ def test_scope_switches_rbac_and_args(rendered: dict[str, list[dict[str, Any]]])
     assert "--all-namespaces" in args and by_kind(cluster, "ClusterRole")
     args = one(namespaced, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[args.index("--namespace") + 1] == "models"
-    assert one(namespaced, "Role")["metadata"]["namespace"] == "models"
+    (role,) = [r for r in by_kind(namespaced, "Role") if r not in _peer_rbac(namespaced)[0]]
+    assert role["metadata"]["namespace"] == "models"
     assert not by_kind(namespaced, "ClusterRole")
+
+
+def test_more_than_one_replica_out_of_the_box(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    """Defaults: 2 replicas, a PDB, soft anti-affinity; autoscaled: an HPA owns replicas."""
+    defaults = rendered["defaults"]
+    deploy = one(defaults, "Deployment")
+    assert deploy["spec"]["replicas"] == 2 and one(defaults, "PodDisruptionBudget")
+    anti = deploy["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
+    (term,) = anti["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    assert not by_kind(defaults, "HorizontalPodAutoscaler")
+
+    scaled = rendered["autoscaled"]
+    deploy = one(scaled, "Deployment")
+    assert "replicas" not in deploy["spec"]  # the HPA's to set
+    hpa = one(scaled, "HorizontalPodAutoscaler")
+    assert hpa["spec"]["scaleTargetRef"]["name"] == deploy["metadata"]["name"]
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["pods"]["metric"]["name"] == "pdgate_inflight_requests"
+    pod = deploy["spec"]["template"]["spec"]
+    assert pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    args = pod["containers"][0]["args"]
+    assert args[args.index("--workers") + 1] == "auto"
+    assert one(scaled, "PodDisruptionBudget")
 
 
 def test_optional_pieces(rendered: dict[str, list[dict[str, Any]]]) -> None:

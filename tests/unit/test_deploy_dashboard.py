@@ -23,16 +23,23 @@ METRICS = {
     "pdgate_requests_total",
     "pdgate_request_duration_seconds",
     "pdgate_ttft_seconds",
+    "pdgate_ttft_phase_seconds",
+    "pdgate_inter_token_latency_seconds",
+    "pdgate_output_tokens_per_second",
     "pdgate_phase_duration_seconds",
     "pdgate_retries_total",
     "pdgate_inflight_requests",
     "pdgate_upstream_errors_total",
+    "pdgate_client_errors_total",
     "pdgate_prefix_cache_hits_total",
     "pdgate_prefix_cache_queries_total",
 }
 HISTOGRAMS = {
     "pdgate_request_duration_seconds",
     "pdgate_ttft_seconds",
+    "pdgate_ttft_phase_seconds",
+    "pdgate_inter_token_latency_seconds",
+    "pdgate_output_tokens_per_second",
     "pdgate_phase_duration_seconds",
 }
 _SERIES = re.compile(r"([A-Za-z_:][A-Za-z0-9_:]*)\s*(?=[{\[])")
@@ -58,7 +65,7 @@ def dashboard_queries(dashboard: dict[str, Any] | None = None) -> list[str]:
 
 
 def queried_metrics(dashboard: dict[str, Any] | None = None) -> set[str]:
-    """Metric names as the router exposes them (`_bucket` of a histogram -> its family)."""
+    """Metric names as the router exposes them (`_bucket`/`_sum`/`_count` -> the family)."""
     names = set()
     for query in dashboard_queries(dashboard):
         for name in _PDGATE.findall(query):
@@ -77,11 +84,26 @@ def test_queries_use_only_router_metrics() -> None:
     assert queried_metrics() == METRICS
 
 
-def test_histograms_are_read_through_buckets() -> None:
+def test_histograms_are_read_through_buckets_or_as_means() -> None:
+    """A histogram is read as quantiles of its buckets, or as a mean (`_sum` / `_count`)."""
     for query in dashboard_queries():
         for name in HISTOGRAMS:
-            if name in query:
-                assert f"{name}_bucket" in query and "histogram_quantile" in query, query
+            if re.search(rf"\b{name}_bucket\b", query):
+                assert "histogram_quantile" in query, query
+            elif re.search(rf"\b{name}_sum\b", query):
+                assert "_count" in query, query
+            else:
+                assert not re.search(rf"\b{name}\b", query), query
+
+
+def test_model_variable_and_per_model_panels_leave_unknown_models_out() -> None:
+    """Requests for no known model carry `model=""`: not in the dropdown, nor under "All"."""
+    dashboard = load_dashboard()
+    (model,) = [v for v in dashboard["templating"]["list"] if v["name"] == "model"]
+    assert 'model!=""' in model["query"]["query"]
+    assert model["allValue"] == ".+"  # "All" must not match the empty label
+    queries = dashboard_queries(dashboard)
+    assert any('model=""' in q for q in queries)  # shown apart, in a panel of their own
 
 
 def test_panels_cover_what_operators_ask() -> None:
@@ -89,9 +111,11 @@ def test_panels_cover_what_operators_ask() -> None:
     assert dashboard["uid"] and dashboard["title"] == "pdgate"
     titles = {p["title"] for p in dashboard["panels"] if p["type"] != "row"}
     assert titles == {
-        "Request rate", "Error rate", "Time to first token", "End-to-end latency",
+        "Request rate", "Error rate", "Time to first token", "Where time to first token goes",
+        "Inter-token latency", "Output tokens per second per request", "End-to-end latency",
         "Prefill / decode phase time", "In-flight requests per pod and role", "Retries",
-        "Upstream errors", "Prefix-cache hit rate",
+        "Upstream errors", "Client errors refused by engines", "Requests for no known model",
+        "Prefix-cache hit rate",
     }
     ids = [p["id"] for p in dashboard["panels"]]
     assert len(ids) == len(set(ids))

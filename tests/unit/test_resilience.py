@@ -228,20 +228,89 @@ async def test_a_cancelled_waiter_leaves_the_queue_and_passes_its_slot() -> None
     assert admission.inflight == 0
 
 
+def test_the_default_bound_is_sized_from_the_serving_pods() -> None:
+    admission = Admission(ResilienceConfig(inflight_per_pod=3, max_queue=0,
+                                           loop_lag_target_s=0))
+    assert admission.enabled
+    admission.size_for(2)  # two aggregated or decode pods
+    assert admission.max_inflight == 6
+    for _ in range(6):
+        assert admission.try_enter("m")
+    assert not admission.try_enter("m") and admission.saturated()
+    assert admission.refuse_saturated().status == 503
+    admission.size_for(3)  # a pod came up: room again
+    assert not admission.saturated() and admission.try_enter("m")
+    admission.size_for(0)  # no pods yet still bounds, at one pod's worth
+    assert admission.max_inflight == 3
+    off = Admission(ResilienceConfig(max_inflight=0))
+    off.size_for(4)
+    assert not off.enabled and off.max_inflight == 0 and not off.saturated()
+
+
+def test_the_adaptive_limit_follows_the_loop_lag() -> None:
+    admission = Admission(ResilienceConfig(inflight_per_pod=100, min_inflight=10,
+                                           loop_lag_target_s=0.02, max_queue=0))
+    admission.size_for(4)
+    adaptive = admission.adaptive
+    assert admission.max_inflight == 400
+    for _ in range(200):
+        admission.try_enter("m")
+    for _ in range(4):
+        adaptive.observe(0.2)  # the loop runs 10x behind its target: shed
+    assert admission.max_inflight < 200
+    assert admission.saturated() and not admission.try_enter("m")
+    for _ in range(50):
+        adaptive.observe(0.0)  # quiet again: the limit climbs back to the ceiling
+    assert admission.max_inflight == 400
+    assert admission.try_enter("m")
+    idle = Admission(ResilienceConfig(inflight_per_pod=100, min_inflight=10,
+                                      loop_lag_target_s=0.02))
+    idle.size_for(1)
+    for _ in range(10):
+        idle.adaptive.observe(1.0)  # lag with nothing in flight: never below the floor
+    assert idle.max_inflight == 10
+
+
 # --- drain --------------------------------------------------------------------------
 
 
 async def test_drain_waits_for_requests_in_flight() -> None:
     drain = Drain()
-    drain.enter()
+    task = asyncio.current_task()
+    assert task is not None
+    drain.enter(task)
     drain.begin()
     assert drain.draining
     assert not await drain.wait_idle(0.05)
-    asyncio.get_running_loop().call_later(0.05, drain.leave)
+    asyncio.get_running_loop().call_later(0.05, drain.leave, task)
     assert await drain.wait_idle(1.0)
     idle = Drain()
     idle.begin()
     assert await idle.wait_idle(0.01)
+
+
+async def test_drain_cut_cancels_the_requests_in_flight() -> None:
+    drain = Drain()
+
+    async def request() -> str:
+        task = asyncio.current_task()
+        assert task is not None
+        drain.enter(task)
+        try:
+            await asyncio.sleep(60)
+            return "finished"
+        except asyncio.CancelledError:
+            return "ended by the cut"  # as the app ends its response
+        finally:
+            drain.leave(task)
+
+    requests = [asyncio.create_task(request()) for _ in range(3)]
+    await asyncio.sleep(0)
+    assert drain.active == 3 and not drain.draining
+    assert drain.cut() == 3
+    assert drain.draining
+    assert await asyncio.gather(*requests) == ["ended by the cut"] * 3
+    assert drain.active == 0 and drain.idle.is_set()
 
 
 def test_resilience_follows_the_view() -> None:

@@ -21,6 +21,12 @@
 - B = 0: s_p = 0 for every pod.
 
 ttft scale: P(T) - P(0), so w x scale x (1 - s_p) = cost_p.
+
+Fallback: for a ModelServer whose tokens cannot be trusted (no tokenizer, one that failed
+to load or is loading, or a failed parity check against the engine's `/tokenize`:
+`router.scheduling.fallback`), the score is the approximate `prefix-cache` score
+(m_p / B over the approximate index) and the chosen pod is recorded there, so that server
+keeps cache-aware routing; `pdgate_precise_fallback` says which servers and why.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from typing import ClassVar
 from router.scheduling.context import Candidates, PickContext
 from router.scheduling.kv_events import scope_of
 from router.scheduling.scorers.base import Param, Scorer
+from router.scheduling.scorers.prefix_cache import approximate_scores, record_approximate
 
 
 class PrecisePrefixCacheScorer(Scorer):
@@ -37,7 +44,13 @@ class PrecisePrefixCacheScorer(Scorer):
     affinity = True
     PARAMS: ClassVar = {"storeHitFactor": Param(float, 0.7, 0.0, 1.0)}
 
+    def _fallen_back(self, ctx: PickContext) -> bool:
+        fallback = self.deps.fallback
+        return fallback is not None and fallback.reason(ctx.server.server) is not None
+
     def score(self, ctx: PickContext, cands: Candidates) -> list[float]:
+        if self._fallen_back(ctx):
+            return approximate_scores(ctx, cands, self.deps.approx)
         scope = scope_of(ctx.server)
         space = self.deps.precise.space(scope)
         hashes = ctx.prompt.precise_hashes(space)
@@ -70,6 +83,9 @@ class PrecisePrefixCacheScorer(Scorer):
         return ctx.prompt.token_count() * ctx.cost.prefill_s_per_token
 
     def picked(self, ctx: PickContext, cands: Candidates, index: int) -> None:
+        if self._fallen_back(ctx):
+            record_approximate(ctx, cands, index, self.deps.approx)
+            return
         costs = ctx.server_costs
         if not costs.pool.enabled:
             return

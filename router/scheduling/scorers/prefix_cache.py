@@ -28,8 +28,33 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from router.scheduling.approx_index import ApproximatePrefixIndex
 from router.scheduling.context import Candidates, PickContext
 from router.scheduling.scorers.base import Param, Scorer
+
+
+def approximate_scores(
+    ctx: PickContext, cands: Candidates, index: ApproximatePrefixIndex
+) -> list[float]:
+    """s_p = m_p / B (the module docstring); also what `precise-prefix-cache` falls back to."""
+    hashes = ctx.prompt.approx_hashes()
+    total = len(hashes)
+    ctx.approx_hashes = total
+    if not total:
+        ctx.approx_depths = [0] * len(cands)
+        return [0.0] * len(cands)
+    depths = index.match(cands.keys, hashes)
+    ctx.approx_depths = depths
+    return [depth / total for depth in depths]
+
+
+def record_approximate(
+    ctx: PickContext, cands: Candidates, chosen: int, index: ApproximatePrefixIndex
+) -> None:
+    """The prompt's approximate blocks now (likely) sit in the chosen pod's cache."""
+    hashes = ctx.prompt.approx_hashes()
+    if hashes:
+        index.record(cands.keys[chosen], hashes)
 
 
 class PrefixCacheScorer(Scorer):

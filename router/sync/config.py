@@ -1,0 +1,65 @@
+"""`SyncConfig`: how a router process shares its state with the others (see `router.sync`)."""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass, field
+from typing import Final
+
+#: Seconds between heartbeats; each carries the origin's whole in-flight report.
+DEFAULT_HEARTBEAT_S: Final = 0.2
+#: Seconds without a frame after which an origin is lost and its contributions expire.
+DEFAULT_TTL_S: Final = 1.0
+#: TCP port of a host's peer channel (worker 0 binds it; peers connect to it).
+DEFAULT_SYNC_PORT: Final = 8090
+#: Seconds between reads of the peer Service's EndpointSlices.
+DEFAULT_DISCOVERY_INTERVAL_S: Final = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class SyncConfig:
+    """Which process this is, where its siblings and peers are, how fast facts expire."""
+
+    host_id: str
+    worker: int = 0
+    workers: int = 1
+    #: Directory of the workers' ipc:// sockets (one host).
+    run_dir: str = field(default_factory=tempfile.gettempdir)
+    #: This host's peer channel port; None: no peer replicas.
+    sync_port: int | None = None
+    sync_host: str = "0.0.0.0"
+    #: Static peers, "host:port" each.
+    peers: tuple[str, ...] = ()
+    #: Headless Service whose EndpointSlices list the peers (Kubernetes).
+    peer_service: str | None = None
+    namespace: str | None = None
+    kubeconfig: str | None = None
+    #: This pod's own address, skipped among the discovered peers.
+    own_address: str | None = None
+    heartbeat_s: float = DEFAULT_HEARTBEAT_S
+    ttl_s: float = DEFAULT_TTL_S
+    discovery_interval_s: float = DEFAULT_DISCOVERY_INTERVAL_S
+
+    @property
+    def origin(self) -> str:
+        return f"{self.host_id}.{self.worker}"
+
+    @property
+    def leader(self) -> bool:
+        """Worker 0: scrapes engines for the host and relays to and from peer replicas."""
+        return self.worker == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.workers > 1 or self.sync_port is not None
+
+    def ipc_address(self, worker: int) -> str:
+        return f"ipc://{self.run_dir}/pdgate-sync-{self.host_id}-{worker}.ipc"
+
+    def validate(self) -> None:
+        if self.workers < 1 or not 0 <= self.worker < self.workers:
+            raise ValueError(f"worker {self.worker} of {self.workers}: out of range")
+        if self.heartbeat_s <= 0 or self.ttl_s <= self.heartbeat_s:
+            raise ValueError("the sync TTL must exceed the heartbeat interval (both > 0)")
+        if (self.peers or self.peer_service) and self.sync_port is None:
+            raise ValueError("peers need a --sync-port to listen on")

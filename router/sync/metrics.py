@@ -1,0 +1,40 @@
+"""What the sync layer exports: peers by state, messages, how long ago each peer spoke."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+
+class SyncMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.peers = Gauge(
+            "pdgate_peers",
+            "Other router processes (workers, replicas) by state: live (heard within the "
+            "TTL) or lost (silent longer; their contributions expired).",
+            ["state"], registry=registry,
+        )
+        self.messages = Counter(
+            "pdgate_sync_messages",
+            "State-sync messages: sent, received, dropped (gaps in a peer's sequence: lost "
+            "by the transport), relayed (between this host's workers and peer replicas).",
+            ["direction"], registry=registry,
+        )
+        self.last_heard = Gauge(
+            "pdgate_peer_last_heard_seconds",
+            "Seconds since each peer process was last heard from.",
+            ["peer"], registry=registry,
+        )
+        self.seen_inflight = Gauge(
+            "pdgate_sync_seen_inflight_requests",
+            "Requests in flight per pod as this process's scheduler sees them (its own plus "
+            "its live peers').",
+            ["pod"], registry=registry,
+        )
+        self.info = Gauge(
+            "pdgate_sync_info", "This process's identity in the state sync (value 1).",
+            ["origin"], registry=registry,
+        )
+        for state in ("live", "lost"):
+            self.peers.labels(state=state).set(0)
+        for direction in ("sent", "received", "dropped", "relayed"):
+            self.messages.labels(direction=direction)

@@ -1,0 +1,382 @@
+"""`SyncNode`: one router process's end of the state sync (see the package docstring).
+
+Sockets (pyzmq, PUB/SUB: a slow or dead subscriber never blocks the publisher; ZMQ drops
+at the high-water mark and the sequence gap shows it):
+
+- with `--workers N`, every worker binds a PUB on `ipc://<run_dir>/pdgate-sync-<host>-<i>.ipc`
+  and SUBscribes to every other worker's;
+- with peer replicas, worker 0 alone also binds a PUB on `tcp://*:<sync_port>` and
+  SUBscribes to each peer's. It relays: frames of this host's workers go out to the peers,
+  frames from the peers go on to this host's workers (unchanged bytes: origin and
+  sequence stay the sender's). So each host has one peer connection per peer host.
+
+Publishing never waits: a local change (in-flight count, routed prompt, ejection, engine
+scrape) is queued, and the queue is flushed as ONE frame at the next turn of the event
+loop (`call_soon`), so a request's acquire, route and release cost one send at most per
+turn, shared by every request that turn. In-flight counts are coalesced per pod (only the
+latest count is sent). A heartbeat every `heartbeat_s` carries the whole in-flight
+report, so a dropped message is repaired within one heartbeat.
+
+Liveness: an origin silent for `ttl_s` is lost: its in-flight counts stop weighing on
+any pod at once, and the router carries on with what it knows itself. Prompts it routed
+stay in the approximate index (they describe the engines' caches, which outlive the
+router that filled them; the index's LRU ages them out). Ejections it announced stay
+until this process's own probe readmits the pod.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+import zmq
+import zmq.asyncio
+from prometheus_client import CollectorRegistry
+
+from router.load import InFlight
+from router.resilience.ejection import OutlierDetector
+from router.scheduling.approx_index import ApproximatePrefixIndex
+from router.scheduling.metrics_scraper import EngineLoad, EngineMetricsStore, MetricsScraper
+from router.sync import messages as m
+from router.sync.config import SyncConfig
+from router.sync.metrics import SyncMetrics
+from router.sync.peers import PeerDiscovery
+from router.view import ClusterView, Endpoint, Snapshot
+
+log = logging.getLogger("pdgate.sync")
+
+#: Frames a PUB socket queues per subscriber before it drops (ZMQ's SNDHWM).
+SEND_HWM_FRAMES: Final = 10_000
+#: Frames a SUB socket queues before the transport drops (ZMQ's RCVHWM).
+RECV_HWM_FRAMES: Final = 10_000
+#: Messages waiting for the next flush; beyond, new ones are dropped (and counted).
+MAX_PENDING_MESSAGES: Final = 10_000
+#: Origins remembered (live or lost); the longest-lost are forgotten first.
+MAX_PEERS: Final = 1024
+#: Frames read in one go before yielding to the event loop.
+MAX_FRAMES_PER_WAKEUP: Final = 256
+#: Sequence number of frames meant for this host's workers only (not counted for gaps).
+UNSEQUENCED: Final = 0
+
+
+@dataclass(slots=True)
+class _Peer:
+    """Another router process, as far as this one knows."""
+
+    seq: int
+    last_heard: float
+    live: bool = True
+
+
+class SyncNode:
+    """Hooks into the router's state, publishes its changes, applies everyone else's."""
+
+    def __init__(
+        self,
+        config: SyncConfig,
+        *,
+        inflight: InFlight,
+        outliers: OutlierDetector,
+        approx: ApproximatePrefixIndex,
+        engines: EngineMetricsStore,
+        scraper: MetricsScraper,
+        view: ClusterView,
+        registry: CollectorRegistry,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        config.validate()
+        self.config = config
+        self.origin = config.origin
+        self.inflight = inflight
+        self.outliers = outliers
+        self.approx = approx
+        self.engines = engines
+        self.metrics = SyncMetrics(registry)
+        self.metrics.info.labels(origin=self.origin).set(1)
+        self._clock = clock
+        self._peers: dict[str, _Peer] = {}
+        self._endpoints: dict[str, Endpoint] = {}
+        self._capacity: dict[str, int | None] = {}
+        self._pending: list[m.Message] = []
+        self._pending_inflight: dict[str, int] = {}
+        self._pending_host: list[m.Message] = []
+        self._scheduled = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._seq = 0
+        self._local_pub: zmq.Socket[bytes] | None = None
+        self._peer_pub: zmq.Socket[bytes] | None = None
+        self._seen_pods: set[str] = set()
+        inflight.listener = self._on_inflight
+        approx.listener = self._on_route
+        outliers.listener = self._on_eject
+        if config.workers > 1:
+            if config.leader:
+                engines.listener = self._on_engine
+            else:
+                scraper.passive = True  # worker 0 scrapes for the host
+        view.subscribe(self._on_snapshot)
+        self._on_snapshot(view.snapshot)
+
+    # -- what this process changed --------------------------------------------------------
+
+    def _on_snapshot(self, snapshot: Snapshot) -> None:
+        self._endpoints = snapshot.endpoints()
+
+    def _on_inflight(self, key: str, count: int) -> None:
+        self._pending_inflight[key] = count
+        self._schedule()
+
+    def _on_route(self, key: str, hashes: Sequence[int]) -> None:
+        self._queue(self._pending, (m.ROUTE, key, list(hashes)))
+
+    def _on_eject(self, key: str, backoff: float) -> None:
+        self._queue(self._pending, (m.EJECT, key, backoff))
+
+    def _on_engine(self, key: str, load: EngineLoad) -> None:
+        self._queue(self._pending_host, (
+            m.ENGINE, key, load.running, load.waiting, load.kv_usage, load.capacity_tokens,
+            load.at,
+        ))
+
+    def _queue(self, queue: list[m.Message], message: m.Message) -> None:
+        if len(queue) >= MAX_PENDING_MESSAGES:
+            self.metrics.messages.labels(direction="dropped").inc()
+            return
+        queue.append(message)
+        self._schedule()
+
+    def _schedule(self) -> None:
+        if not self._scheduled and self._loop is not None:
+            self._scheduled = True
+            self._loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        """Send what this turn of the event loop queued: one frame (plus one host frame)."""
+        self._scheduled = False
+        if self._pending or self._pending_inflight:
+            batch = self._pending
+            batch.extend((m.INFLIGHT, k, c) for k, c in self._pending_inflight.items())
+            self._pending = []
+            self._pending_inflight = {}
+            self._seq += 1
+            frame = m.encode(self.origin, self.config.host_id, self._seq, batch)
+            self._send(self._local_pub, frame, len(batch))
+            self._send(self._peer_pub, frame, 0)
+        if self._pending_host:
+            batch, self._pending_host = self._pending_host, []
+            frame = m.encode(self.origin, self.config.host_id, UNSEQUENCED, batch)
+            self._send(self._local_pub, frame, len(batch))
+
+    def _send(self, socket: zmq.Socket[bytes] | None, frame: bytes, count: int) -> None:
+        if socket is None:
+            return
+        try:
+            socket.send(frame, zmq.NOBLOCK)
+        except zmq.Again:  # no PUB blocks, but be sure: a full queue drops, never waits
+            self.metrics.messages.labels(direction="dropped").inc(count)
+            return
+        if count:
+            self.metrics.messages.labels(direction="sent").inc(count)
+
+    def heartbeat(self) -> None:
+        self._queue(self._pending, (m.HEARTBEAT, self.inflight.local_counts()))
+
+    # -- what the others changed ----------------------------------------------------------
+
+    def apply(self, frame: bytes, from_peers: bool = False) -> bool:
+        """Apply one frame; False if it is this process's (or, `from_peers`, this host's) own.
+
+        Frames from peer replicas (`from_peers`) that carry this host's id are our own,
+        come back because a static peer list may name this replica too.
+        """
+        try:
+            origin, host_id, seq, batch = m.decode(frame)
+        except ValueError:
+            self.metrics.messages.labels(direction="dropped").inc()
+            return False
+        if origin == self.origin or (from_peers and host_id == self.config.host_id):
+            return False
+        now = self._clock()
+        peer = self._peers.get(origin)
+        if peer is None:
+            self._remember(origin, _Peer(seq, now))
+            log.info("sync: peer %s joined", origin)
+        else:
+            if seq != UNSEQUENCED:
+                if seq <= peer.seq:  # the origin restarted: what it said before is void
+                    self.inflight.drop_origin(origin)
+                elif seq > peer.seq + 1:
+                    self.metrics.messages.labels(direction="dropped").inc(seq - peer.seq - 1)
+                peer.seq = seq
+            peer.last_heard = now
+            if not peer.live:
+                peer.live = True
+                log.warning("sync: peer %s is back", origin)
+        same_host = host_id == self.config.host_id
+        for message in batch:
+            self._apply_one(origin, same_host, message)
+        self.metrics.messages.labels(direction="received").inc(len(batch))
+        return True
+
+    def _apply_one(self, origin: str, same_host: bool, message: list[Any]) -> None:
+        kind = message[0]
+        if kind == m.INFLIGHT:
+            self.inflight.set_remote(origin, message[1], int(message[2]))
+        elif kind == m.ROUTE:
+            if message[1] in self._endpoints:
+                self.approx.apply_remote(message[1], message[2])
+        elif kind == m.HEARTBEAT:
+            self.inflight.replace_remote(origin, dict(message[1]))
+        elif kind == m.EJECT:
+            key, backoff = message[1], float(message[2])
+            if backoff > 0:
+                endpoint = self._endpoints.get(key)
+                if endpoint is not None:
+                    self.outliers.apply_remote_eject(endpoint, backoff)
+            else:
+                self.outliers.apply_remote_readmit(key)
+        elif kind == m.ENGINE and same_host:
+            key = message[1]
+            if key not in self._endpoints:
+                return
+            capacity = message[5]
+            self.engines.apply_remote(key, EngineLoad(*message[2:7]))
+            if self._capacity.get(key) != capacity:
+                self._capacity[key] = capacity
+                self.approx.set_capacity_tokens(key, capacity)
+
+    def _remember(self, origin: str, peer: _Peer) -> None:
+        if len(self._peers) >= MAX_PEERS:
+            lost = [o for o, p in self._peers.items() if not p.live]
+            victim = min(lost or self._peers, key=lambda o: self._peers[o].last_heard)
+            self._forget(victim)
+        self._peers[origin] = peer
+
+    def _forget(self, origin: str) -> None:
+        self._peers.pop(origin, None)
+        self.inflight.drop_origin(origin)
+        with contextlib.suppress(KeyError):
+            self.metrics.last_heard.remove(origin)
+
+    def expire(self) -> None:
+        """Mark origins silent for longer than the TTL lost; drop their in-flight counts."""
+        now = self._clock()
+        live = lost = 0
+        for origin, peer in self._peers.items():
+            age = now - peer.last_heard
+            if peer.live and age > self.config.ttl_s:
+                peer.live = False
+                self.inflight.drop_origin(origin)
+                log.warning("sync: peer %s lost (silent %.2f s); its in-flight counts expire",
+                            origin, age)
+            if peer.live:
+                live += 1
+            else:
+                lost += 1
+            self.metrics.last_heard.labels(peer=origin).set(age)
+        self.metrics.peers.labels(state="live").set(live)
+        self.metrics.peers.labels(state="lost").set(lost)
+        seen = self.inflight.seen()
+        for key in self._seen_pods - seen.keys():
+            self.metrics.seen_inflight.labels(pod=key).set(0)
+        for key, count in seen.items():
+            self.metrics.seen_inflight.labels(pod=key).set(count)
+        self._seen_pods |= seen.keys()
+        self._seen_pods &= set(self._endpoints) | seen.keys()
+
+    def peers(self) -> dict[str, bool]:
+        """origin -> live, for every origin this process has heard."""
+        return {origin: peer.live for origin, peer in self._peers.items()}
+
+    # -- sockets --------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Bind, connect, relay and keep time until cancelled."""
+        config = self.config
+        self._loop = asyncio.get_running_loop()
+        # PUB sockets are plain (a PUB send never blocks: it queues or drops), SUB sockets
+        # are asyncio ones; both contexts share one set of I/O threads.
+        context = zmq.Context()
+        async_context = zmq.asyncio.Context.shadow(context)
+        sockets: list[zmq.Socket[Any]] = []
+
+        def pub() -> zmq.Socket[bytes]:
+            s: zmq.Socket[bytes] = context.socket(zmq.PUB)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.SNDHWM, SEND_HWM_FRAMES)
+            sockets.append(s)
+            return s
+
+        def sub() -> zmq.asyncio.Socket:
+            s = async_context.socket(zmq.SUB)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.RCVHWM, RECV_HWM_FRAMES)
+            s.setsockopt(zmq.SUBSCRIBE, b"")
+            sockets.append(s)
+            return s
+
+        tasks: list[asyncio.Task[None]] = []
+        try:
+            local_sub = peer_sub = None
+            if config.workers > 1:
+                self._local_pub = pub()
+                self._local_pub.bind(config.ipc_address(config.worker))
+                local_sub = sub()
+                for worker in range(config.workers):
+                    if worker != config.worker:
+                        local_sub.connect(config.ipc_address(worker))
+            if config.leader and config.sync_port is not None:
+                self._peer_pub = pub()
+                self._peer_pub.bind(f"tcp://{config.sync_host}:{config.sync_port}")
+                peer_sub = sub()
+                discovery = PeerDiscovery(config, peer_sub)
+                tasks.append(asyncio.create_task(discovery.run()))
+            if local_sub is not None:
+                relay = self._peer_pub if config.leader else None
+                tasks.append(asyncio.create_task(self._receive(local_sub, relay, False)))
+            if peer_sub is not None:
+                tasks.append(
+                    asyncio.create_task(self._receive(peer_sub, self._local_pub, True))
+                )
+            tasks.append(asyncio.create_task(self._tick()))
+            self._schedule()
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            self._local_pub = self._peer_pub = None
+            for s in sockets:
+                s.close(linger=0)
+            context.term()
+
+    async def _receive(
+        self, sub: zmq.asyncio.Socket, relay: zmq.Socket[bytes] | None, from_peers: bool
+    ) -> None:
+        relayed = self.metrics.messages.labels(direction="relayed")
+        # The same socket, read without waiting: drains what is queued in one wake-up.
+        raw: zmq.Socket[bytes] = zmq.Socket.shadow(sub.underlying)
+        while True:
+            frame = await sub.recv()
+            for _ in range(MAX_FRAMES_PER_WAKEUP):
+                if self.apply(frame, from_peers) and relay is not None:
+                    with contextlib.suppress(zmq.Again):
+                        relay.send(frame, zmq.NOBLOCK)
+                        relayed.inc()
+                try:
+                    frame = raw.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+
+    async def _tick(self) -> None:
+        while True:
+            self.heartbeat()
+            self.expire()
+            await asyncio.sleep(self.config.heartbeat_s)

@@ -1,0 +1,266 @@
+"""Several router processes, one view of load: `--workers 2`, and two peer replicas.
+
+Real processes over loopback: a Mooncake master, two simulated PD groups, routers started
+as `python -m router serve`. In-flight counts are checked against the truth the client
+knows (which decode pod each open stream went to, from `x-pdgate-decode-pod`), in every
+router process's own `/metrics` (`pdgate_sync_seen_inflight_requests`, per origin). A
+worker is reached by opening fresh connections until SO_REUSEPORT has handed one to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import sys
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+
+import aiohttp
+import openai
+import pytest
+
+from router.sync.config import DEFAULT_HEARTBEAT_S
+from tests.integration.harness import (
+    Process,
+    SimCluster,
+    SimPodSpec,
+    free_port,
+    metric_values,
+    pd_server_manifests,
+    pod_manifest,
+    wait_http,
+    write_yaml,
+)
+
+MODEL = "sim-scale-model"
+GROUPS = {"g0": ("127.0.0.61", "127.0.0.62"), "g1": ("127.0.0.71", "127.0.0.72")}
+DECODE_PODS = {f"default/{g}-decode" for g in GROUPS}
+#: Streams held open at once (each keeps one decode pod busy for ~STREAM_TOKENS x ITL).
+STREAMS = 8
+STREAM_TOKENS = 150
+ITL_MS = 20
+#: The sync TTL the routers run with (seconds); a lost peer is dropped within TTL + one tick.
+TTL_S = 1.0
+#: Fresh connections tried to reach every worker of a router (SO_REUSEPORT hashes them).
+MAX_PROBES = 200
+
+
+def _specs() -> list[SimPodSpec]:
+    return [
+        SimPodSpec(name=f"{group}-{role}", ip=ip, role=role, group=group,
+                   labels={"app": "sim-scale", "group": group, "role": role})
+        for group, ips in GROUPS.items()
+        for role, ip in zip(("prefill", "decode"), ips, strict=True)
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def pods(mooncake_master: object, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimCluster]:
+    sim = SimCluster(mooncake_master, tmp_path_factory.mktemp("scale-out"))
+    specs = _specs()
+    port = free_port([spec.ip for spec in specs])
+    try:
+        for spec in specs:
+            flags = ["--itl-ms", str(ITL_MS), "--prefill-overhead-ms", "2"]
+            sim.start_pod(spec, port, MODEL, flags)
+        sim.wait_pods(port, specs)
+        server = pd_server_manifests("sim-scale", MODEL, port=port)
+        write_yaml(sim.config_dir / "server.yaml", server)
+        write_yaml(sim.config_dir / "pods.yaml", [pod_manifest(s) for s in specs])
+        yield sim
+    finally:
+        sim.stop()
+
+
+def _router(sim: SimCluster, name: str, port: int, extra: list[str]) -> Process:
+    process = Process(
+        [sys.executable, "-m", "router", "serve", "--config", str(sim.config_dir),
+         "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
+         "--sync-ttl", str(TTL_S), *extra],
+        sim.workdir / f"{name}.log",
+    )  # fmt: skip
+    process.start()
+    wait_http(f"http://127.0.0.1:{port}/readyz")
+    return process
+
+
+def _metrics_once(url: str) -> str:
+    request = urllib.request.Request(f"{url}/metrics", headers={"Connection": "close"})
+    with urllib.request.urlopen(request, timeout=5) as response:
+        return str(response.read().decode())
+
+
+def _origin(text: str) -> str:
+    [(labels, _)] = metric_values(text, "pdgate_sync_info")
+    return labels.split('"')[1]
+
+
+def per_process_metrics(urls: list[str], processes: int) -> dict[str, str]:
+    """origin -> its /metrics, once every one of `processes` origins has answered."""
+    seen: dict[str, str] = {}
+    for attempt in range(MAX_PROBES):
+        text = _metrics_once(urls[attempt % len(urls)])
+        seen[_origin(text)] = text
+        if len(seen) == processes:
+            return seen
+    raise AssertionError(f"only {sorted(seen)} of {processes} router processes answered")
+
+
+def seen_inflight(text: str) -> dict[str, float]:
+    return {labels.split('"')[1]: v
+            for labels, v in metric_values(text, "pdgate_sync_seen_inflight_requests")}
+
+
+async def wait_ready(urls: list[str], processes: int) -> None:
+    deadline = time.monotonic() + 30
+    while True:
+        views = await asyncio.to_thread(per_process_metrics, urls, processes)
+        ready = [metric_values(t, "pdgate_ready") == [("", 1.0)] for t in views.values()]
+        live = [sum(v for lb, v in metric_values(t, "pdgate_peers") if "live" in lb)
+                for t in views.values()]
+        if all(ready) and all(n == processes - 1 for n in live):
+            return
+        assert time.monotonic() < deadline, f"not ready: {ready}, live peers {live}"
+        await asyncio.sleep(0.2)
+
+
+@contextlib.asynccontextmanager
+async def open_streams(urls: list[str], count: int) -> AsyncIterator[Counter[str]]:
+    """`count` streams, alternating between `urls`, held open; yields decode pod -> streams."""
+    truth: Counter[str] = Counter()
+    started = asyncio.Event()
+    errors: list[str] = []
+
+    async def one(session: aiohttp.ClientSession, url: str, release: asyncio.Event) -> None:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "tell a long story"}],
+                "max_tokens": STREAM_TOKENS, "stream": True}
+        async with session.post(f"{url}/v1/chat/completions", json=body) as response:
+            if response.status != 200:
+                errors.append(await response.text())
+                return
+            pod = "default/" + response.headers["x-pdgate-decode-pod"]
+            truth[pod] += 1
+            if sum(truth.values()) == count:
+                started.set()
+            await release.wait()
+        truth[pod] -= 1
+
+    release = asyncio.Event()
+    async with aiohttp.ClientSession() as session:
+        tasks = [asyncio.create_task(one(session, urls[i % len(urls)], release))
+                 for i in range(count)]
+        await asyncio.wait_for(started.wait(), 30)
+        assert not errors, errors
+        try:
+            yield truth
+        finally:
+            release.set()  # closing the streams early cancels them upstream
+            await asyncio.gather(*tasks)
+    assert not errors, errors
+
+
+async def assert_views_match(urls: list[str], processes: int, truth: Counter[str]) -> None:
+    """Every process sees each decode pod's true count within one, once messages settle."""
+    deadline = time.monotonic() + 5
+    while True:
+        views = await asyncio.to_thread(per_process_metrics, urls, processes)
+        off = {origin: {pod: seen_inflight(text).get(pod, 0) - truth.get(pod, 0)
+                        for pod in DECODE_PODS}
+               for origin, text in views.items()}
+        if all(abs(d) <= 1 for view in off.values() for d in view.values()):
+            return
+        assert time.monotonic() < deadline, f"views differ from the truth {dict(truth)}: {off}"
+        await asyncio.sleep(DEFAULT_HEARTBEAT_S)
+
+
+async def assert_all_zero(urls: list[str], processes: int) -> None:
+    deadline = time.monotonic() + 5
+    while True:
+        views = await asyncio.to_thread(per_process_metrics, urls, processes)
+        left = {o: {p: n for p, n in seen_inflight(t).items() if n} for o, t in views.items()}
+        if not any(left.values()):
+            return
+        assert time.monotonic() < deadline, f"in flight after the traffic ended: {left}"
+        await asyncio.sleep(DEFAULT_HEARTBEAT_S)
+
+
+async def test_two_workers_share_inflight_counts(pods: SimCluster) -> None:
+    port = free_port()
+    router = _router(pods, "workers", port, ["--workers", "2"])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        await wait_ready([url], 2)
+        async with open_streams([url], STREAMS) as truth:
+            assert set(truth) <= DECODE_PODS
+            await assert_views_match([url], 2, truth)
+        await assert_all_zero([url], 2)
+    finally:
+        assert router.stop() == 0, router.log()[-3000:]
+
+
+async def test_two_replicas_share_counts_and_survive_a_killed_peer(pods: SimCluster) -> None:
+    ports = [free_port(), free_port()]
+    syncs = [free_port(), free_port()]
+    routers = [
+        _router(pods, f"replica-{i}", ports[i],
+                ["--sync-port", str(syncs[i]), "--peers", f"127.0.0.1:{syncs[1 - i]}"])
+        for i in range(2)
+    ]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    try:
+        await wait_ready(urls, 2)
+        async with open_streams(urls, STREAMS) as truth:
+            await assert_views_match(urls, 2, truth)
+        await assert_all_zero(urls, 2)
+
+        # Replica 1 holds streams when it is SIGKILLed; replica 0 keeps serving its own
+        # requests throughout, and drops replica 1 (and its in-flight counts) within TTL.
+        survivor = openai.AsyncOpenAI(base_url=f"{urls[0]}/v1", api_key="unused", max_retries=0)
+        doomed = asyncio.create_task(_hold_streams(urls[1], 4))
+        await asyncio.sleep(1.0)
+        before = seen_inflight(_metrics_once(urls[0]))
+        assert sum(before.get(p, 0) for p in DECODE_PODS) >= 4, before
+
+        async def ask(i: int) -> None:
+            await survivor.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": f"question {i}"}],
+                max_tokens=4,
+            )
+
+        traffic = asyncio.gather(*(ask(i) for i in range(40)))
+        routers[1].popen.send_signal(signal.SIGKILL)  # type: ignore[union-attr]
+        killed_at = time.monotonic()
+        lost_after = None
+        while lost_after is None:
+            text = _metrics_once(urls[0])
+            peers = dict(metric_values(text, "pdgate_peers"))
+            if peers.get('{state="lost"}') == 1 and peers.get('{state="live"}') == 0:
+                lost_after = time.monotonic() - killed_at
+            else:
+                assert time.monotonic() - killed_at < TTL_S + 2 * DEFAULT_HEARTBEAT_S + 1.0
+                await asyncio.sleep(0.05)
+        await traffic  # raises if any of the survivor's own requests failed
+        doomed.cancel()
+        with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
+            await doomed
+        assert lost_after <= TTL_S + 2 * DEFAULT_HEARTBEAT_S + 0.5, lost_after
+        await assert_all_zero([urls[0]], 1)
+    finally:
+        for router in routers:
+            router.stop(signal.SIGKILL if router is routers[1] else signal.SIGTERM)
+
+
+async def _hold_streams(url: str, count: int) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "a long story"}],
+            "max_tokens": STREAM_TOKENS, "stream": True}
+    async with aiohttp.ClientSession() as session:
+
+        async def one() -> None:
+            async with session.post(f"{url}/v1/chat/completions", json=body) as response:
+                async for _ in response.content:
+                    pass
+
+        await asyncio.gather(*(one() for _ in range(count)))

@@ -1,0 +1,166 @@
+"""`router.sync` without sockets: frames between two nodes, expiry, parsing, worker counts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from router.load import InFlight
+from router.resilience.config import ResilienceConfig
+from router.resilience.ejection import OutlierDetector
+from router.scheduling.approx_index import ApproximatePrefixIndex
+from router.scheduling.metrics import SchedulerMetrics
+from router.scheduling.metrics_scraper import EngineMetricsStore, MetricsScraper
+from router.sync import SyncConfig, SyncNode
+from router.sync import messages as m
+from router.sync.peers import parse_peers, slice_addresses
+from router.sync.workers import available_cpus, cgroup_cpus, parse_workers
+from router.view import ClusterView, Endpoint
+
+
+class Clock:
+    now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _endpoint(name: str) -> Endpoint:
+    return Endpoint(namespace="default", pod_name=name, ip="127.0.0.1", port=8000,
+                    role="decode", group="g0")
+
+
+class Node:
+    """A SyncNode with its own router state, frames captured instead of sent."""
+
+    def __init__(self, worker: int, clock: Clock) -> None:
+        registry = CollectorRegistry()
+        self.inflight = InFlight(registry)
+        self.outliers = OutlierDetector(ResilienceConfig(), clock=clock)
+        self.approx = ApproximatePrefixIndex()
+        self.engines = EngineMetricsStore()
+        scraper = MetricsScraper(self.engines, SchedulerMetrics(registry))
+        self.node = SyncNode(
+            SyncConfig(host_id="h", worker=worker, workers=2), inflight=self.inflight,
+            outliers=self.outliers, approx=self.approx, engines=self.engines,
+            scraper=scraper, view=ClusterView(), registry=registry, clock=clock,
+        )
+        self.node._endpoints = {e.key: e for e in (POD_A, POD_B)}
+        self.frames: list[bytes] = []
+        self.node._send = lambda sock, frame, count: self.frames.append(frame)  # type: ignore[method-assign]
+        self.node._local_pub = object()  # type: ignore[assignment]
+
+    def deliver_to(self, other: Node) -> None:
+        self.node.flush()
+        for frame in self.frames:
+            other.node.apply(frame)
+        self.frames.clear()
+
+
+POD_A, POD_B = _endpoint("a"), _endpoint("b")
+
+
+@pytest.fixture
+def pair() -> tuple[Node, Node, Clock]:
+    clock = Clock()
+    return Node(0, clock), Node(1, clock), clock
+
+
+def test_inflight_counts_are_the_sum_of_every_process(pair: tuple[Node, Node, Clock]) -> None:
+    one, two, _ = pair
+    one.inflight.acquire(POD_A)
+    one.inflight.acquire(POD_A)
+    two.inflight.acquire(POD_A)
+    one.deliver_to(two)
+    two.deliver_to(one)
+    assert one.inflight.get(POD_A) == two.inflight.get(POD_A) == 3
+    one.inflight.release(POD_A)
+    one.inflight.release(POD_A)
+    one.deliver_to(two)
+    assert two.inflight.get(POD_A) == 1 and one.inflight.get(POD_A) == 1
+
+
+def test_a_lost_message_is_repaired_by_the_heartbeat(pair: tuple[Node, Node, Clock]) -> None:
+    one, two, _ = pair
+    one.node.heartbeat()
+    one.deliver_to(two)
+    one.inflight.acquire(POD_B)
+    one.node.flush()
+    one.frames.clear()  # the transport lost it
+    one.node.heartbeat()
+    one.deliver_to(two)
+    assert two.inflight.get(POD_B) == 1
+    assert two.node.metrics.messages.labels(direction="dropped")._value.get() == 1
+
+
+def test_a_silent_peer_expires_after_the_ttl(pair: tuple[Node, Node, Clock]) -> None:
+    one, two, clock = pair
+    one.inflight.acquire(POD_A)
+    one.deliver_to(two)
+    assert two.inflight.get(POD_A) == 1 and two.node.peers() == {"h.0": True}
+    clock.now += two.node.config.ttl_s / 2
+    two.node.expire()
+    assert two.inflight.get(POD_A) == 1
+    clock.now += two.node.config.ttl_s
+    two.node.expire()
+    assert two.inflight.get(POD_A) == 0 and two.node.peers() == {"h.0": False}
+    one.node.heartbeat()
+    one.deliver_to(two)  # back: its report counts again
+    assert two.inflight.get(POD_A) == 1 and two.node.peers() == {"h.0": True}
+
+
+def test_routes_and_ejections_reach_the_peer(pair: tuple[Node, Node, Clock]) -> None:
+    one, two, _ = pair
+    hashes = [11, 22, 33]
+    one.approx.record(POD_A.key, hashes)
+    one.outliers.eject(POD_B, "passive")
+    one.deliver_to(two)
+    assert two.approx.match([POD_A.key, POD_B.key], hashes) == [3, 0]
+    assert two.outliers.is_ejected(POD_B.key)
+    assert not two.frames  # applying is not re-publishing
+    one.outliers.probe_result(POD_B, ok=True)
+    one.deliver_to(two)
+    assert not two.outliers.is_ejected(POD_B.key)
+
+
+def test_a_restarted_origin_starts_from_nothing(pair: tuple[Node, Node, Clock]) -> None:
+    one, two, clock = pair
+    one.inflight.acquire(POD_A)
+    one.deliver_to(two)
+    fresh = Node(0, clock)  # same origin, sequence from 1 again
+    fresh.node.heartbeat()
+    fresh.deliver_to(two)
+    assert two.inflight.get(POD_A) == 0
+
+
+def test_frames_that_are_not_ours_are_counted_and_ignored(pair: tuple[Node, Node, Clock]) -> None:
+    _, two, _ = pair
+    assert not two.node.apply(b"\x00garbage")
+    assert not two.node.apply(m.encode("h.1", "h", 1, []))  # its own
+
+
+def test_parse_peers_and_slices() -> None:
+    assert parse_peers("a:1, [::1]:2,") == ("a:1", "::1:2")
+    with pytest.raises(ValueError):
+        parse_peers("nohost")
+    slices = [{"ports": [{"name": "sync", "port": 9000}], "endpoints": [
+        {"addresses": ["10.0.0.1"], "conditions": {"ready": True}},
+        {"addresses": ["10.0.0.2"], "conditions": {"ready": False}},
+        {"addresses": ["10.0.0.3"]},
+    ]}]
+    assert slice_addresses(slices, 8090, skip="10.0.0.3") == {"10.0.0.1:9000"}
+
+
+def test_worker_counts(tmp_path: Path) -> None:
+    cpu_max = tmp_path / "cpu.max"
+    cpu_max.write_text("150000 100000\n")
+    assert cgroup_cpus(cpu_max) == 1.5
+    assert available_cpus(cpu_max) == min(2, available_cpus(tmp_path / "none"))
+    cpu_max.write_text("max 100000\n")
+    assert cgroup_cpus(cpu_max) is None
+    assert parse_workers("3") == 3 and parse_workers("auto") >= 1
+    for bad in ("0", "x", "1000"):
+        with pytest.raises(ValueError):
+            parse_workers(bad)

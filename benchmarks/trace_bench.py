@@ -41,13 +41,23 @@ from benchmarks.procs import StartupError
 from benchmarks.routers import RouterSpec, RunningRouter
 from benchmarks.specs import RequestSpec
 from benchmarks.trace import DEFAULT_TRACE, TraceOptions, TraceWindow, trace_window
+from engine_sim.prompts import DEFAULT_CHAT_TEMPLATE, DEFAULT_TOKENIZER
+from router.tokenization import CHAT_TEMPLATE_ANNOTATION, TOKENIZER_ANNOTATION
 
 log = logging.getLogger("benchmarks.trace")
 
-POOL_ANNOTATIONS: Final = {"pdgate.io/kv-pool": "mooncake-store"}
+#: The ModelServer's annotations: its prefill pods write every block to the Mooncake
+#: Store (the pool view), and the engines' tokenizer and chat template (precise index).
+POOL_ANNOTATIONS: Final = {
+    "pdgate.io/kv-pool": "mooncake-store",
+    TOKENIZER_ANNOTATION: DEFAULT_TOKENIZER,
+    CHAT_TEMPLATE_ANNOTATION: str(DEFAULT_CHAT_TEMPLATE),
+}
 PREFILL_OVERHEAD_MS: Final = 5.0  # the simulator's default --prefill-overhead-ms
 _HEADER: Final = "apiVersion: pdgate.io/v1alpha1\nkind: SchedulerConfig\n"
-_LOAD: Final = ("      - {type: least-request, weight: 1.0}\n"
+#: Queue time: the prefill seconds this router has queued on each pod (Conductor's
+#: estimate), plus the engine's own waiting queue (weighted half: it counts ours too).
+_LOAD: Final = ("      - {type: prefill-backlog, weight: 1.0}\n"
                 "      - {type: queue, weight: 0.5, threshold: 32}\n")
 
 
@@ -368,8 +378,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--trace", type=Path, action="append",
         help=f"a Mooncake trace file (repeatable; default {DEFAULT_TRACE} when present)")
     add("--trace-start", type=int, default=0, help="first request of the window")
-    add("--trace-window", type=int, default=400, help="requests replayed")
-    add("--trace-time-scale", type=float, default=0.5, help="x the gaps (0.5: twice the rate)")
+    add("--trace-window", type=int, default=1500, help="requests replayed")
+    add("--trace-time-scale", type=float, default=0.1,
+        help="x the gaps (0.1: ten times the rate, engines ten times faster)")
     add("--trace-token-scale", type=float, default=0.25, help="x every length (0.25: 128-token "
         "blocks)")
     add("--trace-max-output", type=int, default=16, help="cap on output tokens")

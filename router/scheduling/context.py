@@ -19,6 +19,7 @@ from router.load import InFlight
 from router.resources import ModelServer, parse_duration
 from router.scheduling import ScheduleRequest
 from router.scheduling.approx_index import ApproximatePrefixIndex
+from router.scheduling.backlog import PrefillBacklog
 from router.scheduling.block_hash import (
     PreciseHasher,
     PromptTokens,
@@ -206,6 +207,8 @@ class SchedulerDeps:
         default_factory=lambda: TTFTModels(CostModel().seed(), FitSettings())
     )
     fallback: PreciseFallback | None = None  # servers the precise scorer scores approximately
+    #: Prefill seconds dispatched to each pod and predicted not yet done.
+    backlog: PrefillBacklog = field(default_factory=PrefillBacklog)
 
 
 class PromptInfo:
@@ -358,6 +361,7 @@ class PickContext:
     __slots__ = (
         "approx_depths",
         "approx_hashes",
+        "backlog_s",
         "compute_tokens",
         "cost",
         "deps",
@@ -417,6 +421,8 @@ class PickContext:
         self.precise_reach: list[int] | None = None
         self.precise_hashes = 0
         self.store_factor = 1.0
+        # Filled by the `prefill-backlog` scorer: each candidate's predicted wait.
+        self.backlog_s: list[float] | None = None
 
     def session_id(self) -> str | None:
         headers = self.request.headers

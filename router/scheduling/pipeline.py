@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from router.scheduling import Pick, ScheduleRequest
+from router.scheduling.backlog import PrefillBacklog
 from router.scheduling.block_hash import CHAT_PATH
 from router.scheduling.config import ProfileConfig, SchedulerConfig
 from router.scheduling.context import (
@@ -53,6 +54,7 @@ from router.scheduling.filters import FILTERS, Filter
 from router.scheduling.metrics import SchedulerMetrics
 from router.scheduling.scorers import SCORERS, Scorer
 from router.scheduling.slo import SLOGate
+from router.scheduling.ttft_model import PrefillFit
 from router.tokenization import ChatInputError, prompt_chars
 from router.tokenization import Endpoint as Prompt
 from router.view import Endpoint, ServerPods
@@ -207,6 +209,49 @@ class _Decision:
 
 def _endpoint(path: str, body: dict[str, Any]) -> Prompt:
     return "chat" if path == CHAT_PATH or isinstance(body.get("messages"), list) else "completion"
+
+
+class _PrefillTicket:
+    """One sequential-PD prefill's prediction, from dispatch to its measured end.
+
+    Predicted duration = the pod's backlog (`backlog.py`; at least the engine's own
+    waiting queue x the mean prefill, which counts other routers' requests too) + the fit
+    of the uncached tokens + the pool pull. The measured duration feeds the
+    prediction-error metrics, the fit (only when nothing was queued ahead: the sample is
+    then pure service time) and the backlog's correction."""
+
+    __slots__ = (
+        "_backlog", "_calibrates", "_clock", "_end", "_fit", "_idle", "_key", "_metrics",
+        "_pull_s", "_sent", "_service_s", "compute", "predicted",
+    )
+
+    def __init__(
+        self, fit: PrefillFit, metrics: SchedulerMetrics, backlog: PrefillBacklog,
+        clock: Callable[[], float], key: str, compute: float, pull_s: float, idle: bool,
+        now: float, others_s: float, calibrates: bool,
+    ) -> None:
+        self._fit, self._metrics, self._backlog, self._clock = fit, metrics, backlog, clock
+        self._key, self.compute, self._pull_s, self._idle = key, compute, pull_s, idle
+        self._calibrates = calibrates
+        self._service_s = fit.predict(compute) + pull_s
+        wait = max(0.0 if idle else backlog.wait_s(key, now), others_s)
+        self.predicted = wait + self._service_s
+        self._sent = now
+        self._end = now + self.predicted
+
+    def dispatch(self) -> None:
+        """The request goes to the pod: its service joins the pod's backlog."""
+        self._end = self._backlog.dispatch(self._key, self._service_s, self._sent, self._idle)
+
+    def done(self, seconds: float) -> None:
+        """The prefill took `seconds` (from sending it to its KV handle)."""
+        self._backlog.finished(self._key, self._end, self._clock())
+        if not self._calibrates:
+            return
+        self._fit.observe_error(self.predicted, seconds)
+        self._metrics.observe_prefill(self.predicted, seconds)
+        if self.predicted - self._service_s <= 0.0:
+            self._fit.add_sample(self.compute, seconds - self._pull_s)
 
 
 def _nothing() -> None:
@@ -536,7 +581,7 @@ class PipelineScheduler:
                 pair + ctx.fit.predict(0.0)
                 + ctx.prompt.token_count() * ctx.cost.transfer_s_per_token
             )
-        on_prefill = self._prefill_ticket(ctx, pre, pi, report)
+        ticket = self._prefill_ticket(ctx, pre, pi, report)
         if pre_profile.ttft and pre_costs[pi] < GUARD_PENALTY:
             ctx.ready_at = ctx.now + pre_costs[pi] + ctx.fit.predict(0.0)
 
@@ -547,6 +592,7 @@ class PipelineScheduler:
                 self.metrics.guard["decode"].inc()
             ctx.role = "prefill"
             self._dispatched(ctx, pre_profile, pre, pi, report)
+            ticket.dispatch()
             ctx.role = "decode"
             for scorer in dec_profile.scorers:
                 scorer.picked(ctx, dec, di)
@@ -554,32 +600,29 @@ class PipelineScheduler:
                 self.metrics.predicted_pd.observe(predicted)
 
         pick = Pick(decode=dec.pods[di], prefill=pre.pods[pi], decode_cost=dec_costs[di],
-                    prefill_cost=pre_costs[pi], on_prefill=on_prefill)
+                    prefill_cost=pre_costs[pi], on_prefill=ticket.done)
         return _Decision(pick, predicted, commit)
 
     def _prefill_ticket(
         self, ctx: PickContext, cands: Candidates, index: int, report: _PrefixReport
-    ) -> Callable[[float], None] | None:
-        """What the proxy calls with the measured prefill duration (sequential PD): the
-        fit's sample (when the pod had nothing in flight) and the prediction error."""
-        if report.compute_tokens is None or report.pull_tokens is None:
-            return None
-        fit = ctx.fit
-        compute = report.compute_tokens[index]
-        pull_s = report.pull_tokens[index] * ctx.server_costs.pull_s_per_token
+    ) -> _PrefillTicket:
+        """The chosen prefill's prediction (queue + compute + pull) and what to do with its
+        measured duration (sequential PD). Without a Conductor cost (no prefix scorer in
+        ttft unit) the whole prompt counts as computed, and the fit learns nothing from it
+        (what the pod had cached is unknown)."""
+        known = report.compute_tokens is not None and report.pull_tokens is not None
+        if report.compute_tokens is not None and report.pull_tokens is not None:
+            compute = report.compute_tokens[index]
+            pull_s = report.pull_tokens[index] * ctx.server_costs.pull_s_per_token
+        else:
+            compute, pull_s = float(ctx.prompt.token_count()), 0.0
         engine = cands.engine[index]
         waiting = engine.waiting if engine is not None and engine.waiting else 0.0
-        ahead = cands.inflight[index] + waiting
-        predicted = fit.predict(compute) + pull_s + ahead * ctx.mean_prefill_s
-        metrics = self.metrics
-
-        def done(seconds: float) -> None:
-            fit.observe_error(predicted, seconds)
-            metrics.observe_prefill(predicted, seconds)
-            if ahead == 0:
-                fit.add_sample(compute, seconds - pull_s)
-
-        return done
+        return _PrefillTicket(
+            ctx.fit, self.metrics, self.deps.backlog, self._clock, cands.keys[index],
+            compute, pull_s, cands.inflight[index] == 0, ctx.now, waiting * ctx.mean_prefill_s,
+            calibrates=known,
+        )
 
     @staticmethod
     def _within(

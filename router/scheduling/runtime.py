@@ -192,6 +192,7 @@ class SchedulerRuntime:
         self.fallback.on_snapshot(snapshot)
         self.scheduler.forget_layouts()
         self.approx.retain(keys)
+        self.deps.backlog.retain(keys)
         scopes = {f"{s.server.meta.namespace}/{s.server.meta.name}"
                   for s in snapshot.servers.values()}
         self.pools.retain_scopes(scopes)

@@ -24,9 +24,9 @@ ttft scale: P(T) - P(0), so w x scale x (1 - s_p) = cost_p.
 
 Fallback: for a ModelServer whose tokens cannot be trusted (no tokenizer, one that failed
 to load or is loading, or a failed parity check against the engine's `/tokenize`:
-`router.scheduling.fallback`), the score is the approximate `prefix-cache` score
-(m_p / B over the approximate index) and the chosen pod is recorded there, so that server
-keeps cache-aware routing; `pdgate_precise_fallback` says which servers and why.
+`router.scheduling.fallback`), the scorer is `prefix-cache` (approximate index, pool view
+and Conductor cost alike) and the chosen pod is recorded there, so that server keeps
+cache-aware routing; `pdgate_precise_fallback` says which servers and why.
 """
 
 from __future__ import annotations
@@ -36,7 +36,11 @@ from typing import ClassVar
 from router.scheduling.context import Candidates, PickContext
 from router.scheduling.kv_events import scope_of
 from router.scheduling.scorers.base import Param, Scorer
-from router.scheduling.scorers.prefix_cache import approximate_scores, record_approximate
+from router.scheduling.scorers.prefix_cache import (
+    approximate_scale_s,
+    approximate_scores,
+    record_approximate,
+)
 
 
 class PrecisePrefixCacheScorer(Scorer):
@@ -50,7 +54,7 @@ class PrecisePrefixCacheScorer(Scorer):
 
     def score(self, ctx: PickContext, cands: Candidates) -> list[float]:
         if self._fallen_back(ctx):
-            return approximate_scores(ctx, cands, self.deps.approx)
+            return approximate_scores(ctx, cands, self.deps, self.params["storeHitFactor"])
         scope = scope_of(ctx.server)
         space = self.deps.precise.space(scope)
         hashes = ctx.prompt.precise_hashes(space)
@@ -78,13 +82,11 @@ class PrecisePrefixCacheScorer(Scorer):
         )
 
     def scale_s(self, ctx: PickContext, cands: Candidates) -> float:
-        if ctx.compute_tokens is not None:
-            return ctx.prefix_scale_s
-        return ctx.prompt.token_count() * ctx.cost.prefill_s_per_token
+        return approximate_scale_s(ctx)
 
     def picked(self, ctx: PickContext, cands: Candidates, index: int) -> None:
         if self._fallen_back(ctx):
-            record_approximate(ctx, cands, index, self.deps.approx)
+            record_approximate(ctx, cands, index, self.deps)
             return
         costs = ctx.server_costs
         if not costs.pool.enabled:

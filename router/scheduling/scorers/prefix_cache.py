@@ -28,33 +28,58 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from router.scheduling.approx_index import ApproximatePrefixIndex
-from router.scheduling.context import Candidates, PickContext
+from router.scheduling.context import Candidates, PickContext, SchedulerDeps
 from router.scheduling.scorers.base import Param, Scorer
 
 
 def approximate_scores(
-    ctx: PickContext, cands: Candidates, index: ApproximatePrefixIndex
+    ctx: PickContext, cands: Candidates, deps: SchedulerDeps, factor: float
 ) -> list[float]:
-    """s_p = m_p / B (the module docstring); also what `precise-prefix-cache` falls back to."""
+    """The module docstring's score per candidate (`factor` = f); also what
+    `precise-prefix-cache` scores with for a server it falls back on."""
     hashes = ctx.prompt.approx_hashes()
     total = len(hashes)
     ctx.approx_hashes = total
     if not total:
         ctx.approx_depths = [0] * len(cands)
+        ctx.compute_tokens = None
         return [0.0] * len(cands)
-    depths = index.match(cands.keys, hashes)
+    depths = deps.approx.match(cands.keys, hashes)
     ctx.approx_depths = depths
-    return [depth / total for depth in depths]
+    costs = ctx.server_costs
+    pooled = deps.pools.depth(costs.scope, hashes) if costs.pool.enabled and factor else 0
+    if not ctx.ttft_unit:
+        return [(d + factor * max(0, pooled - d)) / total for d in depths]
+    tokens = float(ctx.prompt.token_count())
+    per_block = tokens / total
+    return ctx.prefix_scores(
+        tokens, [d * per_block for d in depths], [max(d, pooled) * per_block for d in depths]
+    )
 
 
 def record_approximate(
-    ctx: PickContext, cands: Candidates, chosen: int, index: ApproximatePrefixIndex
+    ctx: PickContext, cands: Candidates, chosen: int, deps: SchedulerDeps
 ) -> None:
-    """The prompt's approximate blocks now (likely) sit in the chosen pod's cache."""
+    """The prompt's approximate blocks now (likely) sit in the chosen pod's cache, and in
+    the server's pool (from the prefill's predicted end) when it has one."""
     hashes = ctx.prompt.approx_hashes()
-    if hashes:
-        index.record(cands.keys[chosen], hashes)
+    if not hashes:
+        return
+    approx = deps.approx
+    approx.record(cands.keys[chosen], hashes)
+    pool = ctx.server_costs.pool
+    if pool.enabled:
+        per_block = approx.block_bytes / max(approx.chars_per_token, 1e-9)
+        pools, scope = deps.pools, ctx.server_costs.scope
+        blocks = pool.capacity_blocks(per_block)
+        deps.pending.defer(ctx.ready_at, lambda: pools.record(scope, hashes, blocks))
+
+
+def approximate_scale_s(ctx: PickContext) -> float:
+    """What a score of 0 costs (ttft unit): P(T) - P(0) when the Conductor cost ran."""
+    if ctx.compute_tokens is not None:
+        return ctx.prefix_scale_s
+    return ctx.prompt.token_count() * ctx.cost.prefill_s_per_token
 
 
 class PrefixCacheScorer(Scorer):
@@ -63,42 +88,10 @@ class PrefixCacheScorer(Scorer):
     PARAMS: ClassVar = {"storeHitFactor": Param(float, 0.7, 0.0, 1.0)}
 
     def score(self, ctx: PickContext, cands: Candidates) -> list[float]:
-        hashes = ctx.prompt.approx_hashes()
-        total = len(hashes)
-        ctx.approx_hashes = total
-        if not total:
-            ctx.approx_depths = [0] * len(cands)
-            ctx.compute_tokens = None
-            return [0.0] * len(cands)
-        depths = self.deps.approx.match(cands.keys, hashes)
-        ctx.approx_depths = depths
-        costs = ctx.server_costs
-        factor: float = self.params["storeHitFactor"]
-        pooled = (
-            self.deps.pools.depth(costs.scope, hashes) if costs.pool.enabled and factor else 0
-        )
-        if not ctx.ttft_unit:
-            return [(d + factor * max(0, pooled - d)) / total for d in depths]
-        tokens = float(ctx.prompt.token_count())
-        per_block = tokens / total
-        return ctx.prefix_scores(
-            tokens, [d * per_block for d in depths], [max(d, pooled) * per_block for d in depths]
-        )
+        return approximate_scores(ctx, cands, self.deps, self.params["storeHitFactor"])
 
     def scale_s(self, ctx: PickContext, cands: Candidates) -> float:
-        if ctx.compute_tokens is not None:
-            return ctx.prefix_scale_s
-        return ctx.prompt.token_count() * ctx.cost.prefill_s_per_token
+        return approximate_scale_s(ctx)
 
     def picked(self, ctx: PickContext, cands: Candidates, index: int) -> None:
-        hashes = ctx.prompt.approx_hashes()
-        if not hashes:
-            return
-        approx = self.deps.approx
-        approx.record(cands.keys[index], hashes)
-        pool = ctx.server_costs.pool
-        if pool.enabled:
-            per_block = approx.block_bytes / max(approx.chars_per_token, 1e-9)
-            pools, scope = self.deps.pools, ctx.server_costs.scope
-            blocks = pool.capacity_blocks(per_block)
-            self.deps.pending.defer(ctx.ready_at, lambda: pools.record(scope, hashes, blocks))
+        record_approximate(ctx, cands, index, self.deps)

@@ -23,6 +23,7 @@ from typing import Final, Literal
 from benchmarks.procs import ManagedProcess
 from engine_sim.block_hash import DEFAULT_HASH_SEED
 from engine_sim.ports import common_free_port as free_shared_port
+from router.local_cluster import owned_child
 
 MODEL: Final = "bench-model"
 SERVER_NAME: Final = "bench"
@@ -133,7 +134,10 @@ class SimCluster:
         if self.shape.mode == "pd":
             from engine_sim.mooncake_master import MooncakeMaster
 
-            master = MooncakeMaster(log_path=self.log_dir / "mooncake-master.log")
+            master = MooncakeMaster(
+                log_path=self.log_dir / "mooncake-master.log",
+                preexec_fn=owned_child(os.getpid()),
+            )
             self._master = master
             master.start()
             store_flags = ["--mooncake-master", master.rpc_address,

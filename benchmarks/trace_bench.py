@@ -378,9 +378,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--trace", type=Path, action="append",
         help=f"a Mooncake trace file (repeatable; default {DEFAULT_TRACE} when present)")
     add("--trace-start", type=int, default=0, help="first request of the window")
-    add("--trace-window", type=int, default=1500, help="requests replayed")
-    add("--trace-time-scale", type=float, default=0.1,
-        help="x the gaps (0.1: ten times the rate, engines ten times faster)")
+    add("--trace-window", type=int, default=800, help="requests replayed")
+    add("--trace-time-scale", type=float, default=0.4,
+        help="x the gaps (0.4: 2.5 times the rate, engines 2.5 times faster)")
     add("--trace-token-scale", type=float, default=0.25, help="x every length (0.25: 128-token "
         "blocks)")
     add("--trace-max-output", type=int, default=16, help="cap on output tokens")

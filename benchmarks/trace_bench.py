@@ -75,6 +75,9 @@ TRACE_POLICIES: Final[dict[str, str]] = {
     "local": _policy("prefix-cache", pool=False, precise=False),
     "global": _policy("prefix-cache", pool=True, precise=False),
     "global-precise": _policy("precise-prefix-cache", pool=True, precise=True),
+    # `global` with Conductor's early rejection: a request whose best predicted TTFT is
+    # beyond the window's SLO is answered 429 at once (counted as outside the SLO).
+    "global-slo": _policy("prefix-cache", pool=True, precise=False),
 }
 PEERS: Final = ("cache_aware", "round_robin")
 
@@ -177,10 +180,15 @@ def shape_for(window: TraceWindow, config: TraceBenchConfig) -> tuple[ClusterSha
     )
 
 
-def specs_for(config: TraceBenchConfig, per_token_ms: float) -> list[RouterSpec]:
+def specs_for(
+    config: TraceBenchConfig, per_token_ms: float, slo_s: float
+) -> list[RouterSpec]:
     cost = (f"costModel:\n  prefillSecondsPerToken: {per_token_ms / 1e3:.6g}\n"
             f"  prefillOverhead: {PREFILL_OVERHEAD_MS / 1e3:g}\n")
-    out = [RouterSpec("pdgate", name, _HEADER + TRACE_POLICIES[name] + cost)
+    gate = (f"sloAdmission: {{enabled: true, ttftTarget: {slo_s * 1e3:.0f}ms, "
+            f"action: reject}}\n")
+    out = [RouterSpec("pdgate", name, _HEADER + TRACE_POLICIES[name] + cost
+                      + (gate if name.endswith("-slo") else ""))
            for name in config.policies]
     out += [RouterSpec("vllm-router", peer) for peer in config.peers]
     return out
@@ -205,7 +213,7 @@ async def replay(
                         request_timeout=config.request_timeout)
     skipped: list[str] = []
     setup["skipped"] = skipped
-    for spec in specs_for(config, per_token_ms):
+    for spec in specs_for(config, per_token_ms, slo_s):
         try:
             run = await _one_router(spec, window, shape, sessions, limits, slo_s, work_dir)
         except (StartupError, OSError) as exc:  # one router failing: go on with the next

@@ -7,7 +7,7 @@ uncached tokens, plus the pool pull; `pipeline._prefill_ticket`). Per pod it kee
 number, the predicted moment the pod will be idle again:
 
     dispatch of service s at time t:   busy_until = max(busy_until, t) + s
-    a prefill predicted to end at e ends at t:   busy_until += t - e
+    a prefill now predicted to end at e ends at t:   busy_until += t - e
 
 so the wait ahead of a new request is `max(0, busy_until - now)`. This is exact for a pod
 that prefills one request at a time in arrival order and a good estimate for a batching
@@ -29,38 +29,49 @@ MAX_TRACKED_PODS: Final = 65_536
 
 
 class PrefillBacklog:
-    """pod key -> predicted idle time (the clock's seconds), for sequential-PD prefills."""
+    """pod key -> predicted idle time (the clock's seconds), for sequential-PD prefills.
 
-    __slots__ = ("_until",)
+    Each pod also keeps the sum of the corrections applied so far (`shift`): a prefill's
+    end as predicted at dispatch moves with every correction made after it, so `dispatch`
+    returns a ticket in unshifted time and `finished` adds the shift back."""
+
+    __slots__ = ("_pods",)
 
     def __init__(self) -> None:
-        self._until: dict[str, float] = {}
+        self._pods: dict[str, list[float]] = {}  # key -> [busy_until, shift]
 
     def wait_s(self, key: str, now: float) -> float:
         """Predicted seconds before pod `key` starts a prefill sent now."""
-        until = self._until.get(key)
-        return 0.0 if until is None or until <= now else until - now
+        pod = self._pods.get(key)
+        return 0.0 if pod is None or pod[0] <= now else pod[0] - now
 
     def dispatch(self, key: str, service_s: float, now: float, idle: bool) -> float:
-        """Record a prefill of `service_s` sent to `key` now; returns its predicted end.
-        `idle`: the router has nothing else in flight there (start from `now`)."""
-        until = self._until.get(key, now)
-        if idle or until < now:
-            until = now
-        end = until + max(0.0, service_s)
-        if key not in self._until and len(self._until) >= MAX_TRACKED_PODS:
-            self._until.pop(next(iter(self._until)))
-        self._until[key] = end
-        return end
+        """Record a prefill of `service_s` sent to `key` now; returns its ticket for
+        `finished`. `idle`: the router has nothing else in flight there (start from now)."""
+        pod = self._pods.get(key)
+        if pod is None:
+            if len(self._pods) >= MAX_TRACKED_PODS:
+                self._pods.pop(next(iter(self._pods)))
+            pod = self._pods[key] = [now, 0.0]
+        if idle or pod[0] < now:
+            pod[0] = now
+        pod[0] += max(0.0, service_s)
+        return pod[0] - pod[1]
 
-    def finished(self, key: str, predicted_end: float, now: float) -> None:
-        """A prefill predicted to end at `predicted_end` ended at `now`: shift what follows."""
-        until = self._until.get(key)
-        if until is not None:
-            self._until[key] = max(now, until + (now - predicted_end))
+    def finished(self, key: str, ticket: float, now: float) -> None:
+        """The prefill `dispatch` gave `ticket` ended at `now`: shift what follows it."""
+        pod = self._pods.get(key)
+        if pod is None:
+            return
+        delta = now - (ticket + pod[1])
+        pod[0] = max(now, pod[0] + delta)
+        pod[1] += delta
 
     def retain(self, keys: Iterable[str]) -> None:
         """Forget pods that left the snapshot."""
         keep = set(keys)
-        for key in [k for k in self._until if k not in keep]:
-            del self._until[key]
+        for key in [k for k in self._pods if k not in keep]:
+            del self._pods[key]
+
+    def __len__(self) -> int:
+        return len(self._pods)

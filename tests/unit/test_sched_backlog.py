@@ -26,6 +26,21 @@ def test_backlog_is_exact_for_a_one_at_a_time_pod() -> None:
     assert backlog.dispatch("q", 1.0, now=1.0, idle=True) == 2.0
 
 
+def test_a_late_prefill_delays_what_follows_once() -> None:
+    """A runs 1 s late, so B (queued behind it) starts 1 s late and, taking its predicted
+    second, ends exactly on its shifted end: the pod is then idle, not 1 s more behind."""
+    backlog = PrefillBacklog()
+    a = backlog.dispatch("p", 1.0, now=0.0, idle=True)
+    b = backlog.dispatch("p", 1.0, now=0.0, idle=False)
+    c = backlog.dispatch("p", 1.0, now=0.0, idle=False)
+    backlog.finished("p", a, now=2.0)  # predicted 1.0
+    assert backlog.wait_s("p", 2.0) == pytest.approx(2.0)  # B and C still to run
+    backlog.finished("p", b, now=3.0)  # on time after A's delay
+    assert backlog.wait_s("p", 3.0) == pytest.approx(1.0)  # only C left
+    backlog.finished("p", c, now=4.0)
+    assert backlog.wait_s("p", 4.0) == 0.0
+
+
 def test_backlog_forgets_pods_and_stays_bounded() -> None:
     backlog = PrefillBacklog()
     backlog.dispatch("a", 1.0, 0.0, True)
@@ -34,7 +49,7 @@ def test_backlog_forgets_pods_and_stays_bounded() -> None:
     assert backlog.wait_s("a", 0.0) == 0.0 and backlog.wait_s("b", 0.0) == 1.0
     for i in range(MAX_TRACKED_PODS + 5):
         backlog.dispatch(f"pod-{i}", 1.0, 0.0, True)
-    assert len(backlog._until) == MAX_TRACKED_PODS
+    assert len(backlog) == MAX_TRACKED_PODS
 
 
 def test_a_pod_busy_with_one_long_prompt_loses_to_one_busy_with_a_short_one() -> None:

@@ -19,7 +19,7 @@ from typing import Any, cast
 
 from tqdm import tqdm
 
-from benchmarks import figures, plots, report
+from benchmarks import figures, plots, report, trace_bench
 from benchmarks.cluster import Mode
 from benchmarks.config import BenchConfig, full, quick
 from benchmarks.phases import Bench, planned_runs
@@ -28,7 +28,7 @@ from benchmarks.procs import StartupError
 from benchmarks.results import RouterResources, RunRecord, read_raw, write_raw
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-PHASES = ("overhead", "streaming", "scheduling", "tokenization")
+PHASES = ("overhead", "streaming", "scheduling", "tokenization", "trace")
 #: Iterations per case of the tokenization phase (in-process, a few seconds in all).
 TOKENIZATION_ITERATIONS = {"quick": 15, "full": 30}
 MODES: tuple[Mode, ...] = ("agg", "pd")
@@ -71,7 +71,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--out", type=Path, help="output directory (default: benchmarks/results/<date>[-quick])")
     add("--seed", type=int, default=0, help="workload and arrival seed")
     add("--phases", default=",".join(PHASES),
-        help="comma list of: overhead, streaming, scheduling, tokenization")
+        help=f"comma list of: {', '.join(PHASES)}")
     add("--modes", default=",".join(MODES), help="comma list of: agg, pd")
     add("--pdgate-policies",
         help=f"comma list of: {', '.join(PDGATE_POLICIES)} (default: all; quick: "
@@ -81,6 +81,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--report-only", type=Path, metavar="DIR",
         help="re-render DIR's report and plots from DIR/raw/runs.json, run nothing")
     add("--log-level", default="warning")
+    trace_bench.add_arguments(parser)
     return parser.parse_args(argv)
 
 
@@ -146,7 +147,20 @@ def _method(config: BenchConfig) -> list[str]:
     ]
 
 
-async def _run(bench: Bench, phases: list[str], modes: list[Mode]) -> None:
+async def _trace(bench: Bench, args: argparse.Namespace) -> None:
+    """The Mooncake trace replay (`benchmarks.trace_bench`): its own tables and plots."""
+    paths, options, config = trace_bench.options_of(args)
+    if not paths:
+        bench.skipped.append("trace: no trace file (pass --trace PATH)")
+        return
+    if bench._out_of_time("trace"):
+        return
+    await trace_bench.run_traces(paths, options, config, bench.work_dir.parent, args.seed)
+
+
+async def _run(
+    bench: Bench, phases: list[str], modes: list[Mode], args: argparse.Namespace | None = None
+) -> None:
     steps: list[tuple[str, Callable[[], Awaitable[None]]]] = []
     if "overhead" in phases:
         steps += [(f"overhead {m}", partial(bench.overhead_and_sweep, m)) for m in modes]
@@ -155,6 +169,8 @@ async def _run(bench: Bench, phases: list[str], modes: list[Mode]) -> None:
     if "scheduling" in phases:
         steps += [(f"scheduling {m}", partial(bench.scheduling, m))
                   for m in sorted(modes, reverse=True)]  # pd first
+    if "trace" in phases and args is not None:
+        steps.append(("trace", partial(_trace, bench, args)))
     for label, step in steps:
         try:
             await step()
@@ -219,7 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-            runner.run(_run(bench, phases, modes))
+            runner.run(_run(bench, phases, modes, args))
     except KeyboardInterrupt:
         bench.skipped.append("interrupted")
     finally:

@@ -9,6 +9,7 @@ PD (`groups` prefill/decode pairs, one Mooncake master for the KV store) or aggr
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 import threading
@@ -22,6 +23,7 @@ from typing import Final, Literal
 from benchmarks.procs import ManagedProcess
 from engine_sim.block_hash import DEFAULT_HASH_SEED
 from engine_sim.ports import common_free_port as free_shared_port
+from router.local_cluster import owned_child
 
 MODEL: Final = "bench-model"
 SERVER_NAME: Final = "bench"
@@ -55,6 +57,7 @@ class ClusterShape:
     size: int  # PD groups (one prefill + one decode each), or aggregated pods
     fast: bool = False
     sim_flags: tuple[str, ...] = ()
+    prefill_flags: tuple[str, ...] = ()  # after sim_flags, prefill pods only
 
     @property
     def label(self) -> str:
@@ -90,6 +93,8 @@ class SimCluster:
     shape: ClusterShape
     log_dir: Path
     net: int = field(default_factory=loopback_net)
+    #: Annotations of the ModelServer pdgate is given (e.g. pdgate.io/kv-pool).
+    server_annotations: dict[str, str] = field(default_factory=dict)
     pods: list[PodSpec] = field(default_factory=list)
     _processes: list[ManagedProcess] = field(default_factory=list)
     _master: object | None = None
@@ -129,7 +134,10 @@ class SimCluster:
         if self.shape.mode == "pd":
             from engine_sim.mooncake_master import MooncakeMaster
 
-            master = MooncakeMaster(log_path=self.log_dir / "mooncake-master.log")
+            master = MooncakeMaster(
+                log_path=self.log_dir / "mooncake-master.log",
+                preexec_fn=owned_child(os.getpid()),
+            )
             self._master = master
             master.start()
             store_flags = ["--mooncake-master", master.rpc_address,
@@ -148,6 +156,7 @@ class SimCluster:
                 *store_flags,
                 *(["--fast"] if self.shape.fast else []),
                 *self.shape.sim_flags,
+                *(self.shape.prefill_flags if pod.role == "prefill" else ()),
             ]  # fmt: skip
             self._processes.append(
                 ManagedProcess(pod.name, argv, self.log_dir / f"pod-{pod.name}.log")
@@ -175,13 +184,19 @@ class SimCluster:
     def pdgate_config(self, directory: Path) -> Path:
         """Write the Kthena objects (ModelRoute, ModelServer, Pods) pdgate serves from."""
         directory.mkdir(parents=True, exist_ok=True)
-        (directory / "cluster.yaml").write_text(kthena_yaml(self.shape.mode, self.pods))
+        (directory / "cluster.yaml").write_text(
+            kthena_yaml(self.shape.mode, self.pods, self.server_annotations)
+        )
         return directory
 
 
-def kthena_yaml(mode: Mode, pods: Sequence[PodSpec]) -> str:
+def kthena_yaml(
+    mode: Mode, pods: Sequence[PodSpec], annotations: dict[str, str] | None = None
+) -> str:
     """ModelRoute + ModelServer (+ Pods) in Kthena's schema for the given pods."""
     port = pods[0].port if pods else 0
+    notes = "".join(f"    {k}: {json.dumps(v)}\n" for k, v in (annotations or {}).items())
+    notes = f"  annotations:\n{notes}" if notes else ""
     pd_spec = ""
     if mode == "pd":
         pd_spec = (
@@ -196,7 +211,7 @@ def kthena_yaml(mode: Mode, pods: Sequence[PodSpec]) -> str:
         f"spec:\n  modelName: {MODEL}\n  rules:\n  - name: default\n    targetModels:\n"
         f"    - modelServerName: {SERVER_NAME}\n",
         f"apiVersion: {API_VERSION}\nkind: ModelServer\n"
-        f"metadata:\n  name: {SERVER_NAME}\n  namespace: default\n"
+        f"metadata:\n  name: {SERVER_NAME}\n  namespace: default\n{notes}"
         f"spec:\n  inferenceEngine: vLLM\n  model: {MODEL}\n"
         f"  workloadPort:\n    port: {port}\n    protocol: http\n"
         f"  workloadSelector:\n    matchLabels:\n      {NAME_LABEL}: {SERVER_NAME}\n{pd_spec}"

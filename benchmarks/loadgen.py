@@ -140,12 +140,25 @@ async def run_open(
     max_in_flight: int = MAX_OPEN_IN_FLIGHT,
 ) -> LoadResult:
     """Sessions start at Poisson arrival times whatever the answers do (open loop)."""
-    load = LoadResult()
     arrivals = poisson_arrivals(rate, len(sessions), seed)
+    return await run_at(target, sessions, arrivals, limits, progress, max_in_flight)
+
+
+async def run_at(
+    target: Target,
+    sessions: Sequence[Session],
+    offsets: Sequence[float],
+    limits: LoadLimits,
+    progress: Progress | None = None,
+    max_in_flight: int = MAX_OPEN_IN_FLIGHT,
+) -> LoadResult:
+    """Session i starts `offsets[i]` seconds into the run, whatever the answers do (open
+    loop at given times: a trace's timestamps, or Poisson arrivals)."""
+    load = LoadResult()
     tasks: set[asyncio.Task[None]] = set()
     async with _session_factory(max_in_flight, limits) as client:
         load.began = time.perf_counter()
-        for index, offset in enumerate(arrivals):
+        for index, offset in enumerate(offsets[: len(sessions)]):
             if offset >= limits.time_limit:
                 break
             delay = load.began + offset - time.perf_counter()

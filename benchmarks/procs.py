@@ -21,6 +21,8 @@ from typing import Final
 
 import psutil
 
+from router.local_cluster import owned_child
+
 STARTUP_TIMEOUT_SECONDS: Final = 60.0
 STOP_TIMEOUT_SECONDS: Final = 10.0
 RSS_SAMPLE_SECONDS: Final = 0.2
@@ -53,7 +55,9 @@ class ManagedProcess:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},
-            start_new_session=True,  # Ctrl-C reaches the harness only; it stops us in order
+            # Own process group (Ctrl-C reaches the harness only; it stops us in order) and
+            # SIGKILL if the harness dies without stopping us (no orphaned pods or routers).
+            preexec_fn=owned_child(os.getpid()),
         )
 
     @property

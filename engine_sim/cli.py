@@ -29,7 +29,11 @@ from engine_sim.kvstore import (
     DEFAULT_LOCAL_BUFFER_BYTES,
     KVStoreError,
 )
-from engine_sim.latency import LatencyModel
+from engine_sim.latency import (
+    DEFAULT_KV_BANDWIDTH_BYTES_PER_S,
+    MLA_KV_BYTES_PER_TOKEN,
+    LatencyModel,
+)
 from engine_sim.prefix_cache import DEFAULT_CAPACITY_BLOCKS
 from engine_sim.prompts import DEFAULT_TOKENIZER, STAND_IN
 from engine_sim.scheduler import DEFAULT_MAX_WAITING
@@ -181,8 +185,22 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--store-load-per-token-ms",
         type=float,
-        default=0.02,
-        help="cost of a prompt token read from the store by --store-prefix-cache",
+        help="fixed cost of a prompt token read from the store by --store-prefix-cache "
+        "(default: --kv-bytes-per-token / --kv-gbytes-per-s)",
+    )
+    add(
+        "--kv-bytes-per-token",
+        type=int,
+        default=MLA_KV_BYTES_PER_TOKEN,
+        help="KV bytes of one token, for the time KV takes to move (store loads, PD "
+        f"transfers); model-dependent, default {MLA_KV_BYTES_PER_TOKEN}: DeepSeek-V3 / "
+        "Kimi K2 MLA in bf16 (see engine_sim/latency.py)",
+    )
+    add(
+        "--kv-gbytes-per-s",
+        type=float,
+        default=DEFAULT_KV_BANDWIDTH_BYTES_PER_S / 1e9,
+        help="bandwidth KV moves at, GB/s (default 12.5: one 100 Gb/s RDMA NIC)",
     )
     add("--log-level", default="info", help="Python logging level")
     _add_fault_flags(parser)
@@ -253,6 +271,8 @@ def _parse(argv: Sequence[str] | None) -> tuple[SimConfig, argparse.Namespace]:
             parser.error(f"--{name.replace('_', '-')} must be positive")
     if args.bootstrap_port is not None and not 0 <= args.bootstrap_port < 65536:
         parser.error("--bootstrap-port must be a TCP port (0: any free port)")
+    if args.kv_bytes_per_token < 0 or args.kv_gbytes_per_s <= 0:
+        parser.error("--kv-bytes-per-token must be >= 0 and --kv-gbytes-per-s positive")
     if args.kv_wait_timeout <= 0:
         parser.error("--kv-wait-timeout must be positive")
     for name in ("kv_events_port", "kv_events_replay_port"):
@@ -271,6 +291,8 @@ def _parse(argv: Sequence[str] | None) -> tuple[SimConfig, argparse.Namespace]:
             prefill_per_token_s=args.prefill_per_token_ms / 1e3,
             itl_base_s=args.itl_ms / 1e3,
             itl_per_running_s=args.itl_per_running_ms / 1e3,
+            kv_bytes_per_token=args.kv_bytes_per_token,
+            kv_bandwidth_bytes_per_s=args.kv_gbytes_per_s * 1e9,
         )
     )
     advertise = args.advertise_host or (
@@ -308,7 +330,11 @@ def _parse(argv: Sequence[str] | None) -> tuple[SimConfig, argparse.Namespace]:
         kv_events_port=args.kv_events_port,
         kv_events_replay_port=args.kv_events_replay_port,
         store_prefix_cache=args.store_prefix_cache,
-        store_load_per_token_s=0.0 if args.fast else args.store_load_per_token_ms / 1e3,
+        store_load_per_token_s=(
+            0.0 if args.fast
+            else None if args.store_load_per_token_ms is None
+            else args.store_load_per_token_ms / 1e3
+        ),
         faults=faults,
         tokenizer=args.tokenizer,
         chat_template=args.chat_template,

@@ -48,9 +48,10 @@ class SimConfig:
     kv_events_port: int | None = None
     kv_events_replay_port: int | None = None
     # Prefix reuse through the store (vLLM with a Mooncake Store connector): prefill reads
-    # the leading blocks its own cache lacks from the store, at this cost per token.
+    # the leading blocks its own cache lacks from the store, at the latency model's KV
+    # transfer cost (bytes per token / bandwidth), or this fixed cost per token if set.
     store_prefix_cache: bool = False
-    store_load_per_token_s: float = 0.00002
+    store_load_per_token_s: float | None = None
     max_num_seqs: int = 256
     max_waiting: int = DEFAULT_MAX_WAITING
     max_model_len: int = 32_768

@@ -178,8 +178,10 @@ class Engine:
         ):
             loaded = await self._load_prefix(hashes, hit_blocks, (num_tokens - 1) // size)
             computed += loaded * size
+        moved_tokens = 0  # KV tokens that crossed the network (store load, PD transfer)
         if plan.mode is TransferMode.IMPORT:
             imported = await self._import(plan, hashes)
+            moved_tokens = imported.blocks * size
             self.stats.kv_blocks_read += imported.blocks
             blocks = imported.blocks
             kv_from_store = True
@@ -197,9 +199,15 @@ class Engine:
         private = max(0, total_blocks - len(lease.block_hashes))
         self.cache.reserve_private(private)
         try:
+            per_token = config.store_load_per_token_s
             await pause(
                 self.latency.prefill_seconds(num_tokens - computed)
-                + loaded * size * config.store_load_per_token_s
+                + self.latency.kv_transfer_seconds(moved_tokens)
+                + (
+                    self.latency.kv_transfer_seconds(loaded * size)
+                    if per_token is None
+                    else loaded * size * per_token
+                )
             )
             handle: dict[str, Any] | None = None
             if plan.mode is TransferMode.EXPORT:

@@ -481,7 +481,10 @@ class Proxy:
                     span.end()
             if handoff.prefill_task is None:
                 release_prefill()
-                self.metrics.phase_done("prefill", clock.lap("prefill") - started)
+                prefill_s = clock.lap("prefill") - started
+                self.metrics.phase_done("prefill", prefill_s)
+                if pick.on_prefill is not None:
+                    pick.on_prefill(prefill_s)  # calibrates the scheduler's TTFT model
             else:  # concurrent: prefill runs beside decode until the first content
                 clock.lap("kv_handoff")
                 attempt.first_lap = "prefill"

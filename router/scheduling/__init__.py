@@ -7,7 +7,7 @@ failed this request, so a retry lands elsewhere when it can.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -37,12 +37,17 @@ class Pick:
     """The pods chosen. `prefill` is None for an aggregated server (or a single-pod
     request); two picks are equal when their pods are. The costs are the chosen pods'
     (lower is better; see `pipeline`), None when the scheduler computes none; traces
-    report them."""
+    report them.
+
+    `on_prefill`: call it with the measured prefill duration (seconds, sequential PD: from
+    sending prefill to its KV handle) so that the scheduler's TTFT model calibrates.
+    """
 
     decode: Endpoint
     prefill: Endpoint | None = None
     decode_cost: float | None = field(default=None, compare=False)
     prefill_cost: float | None = field(default=None, compare=False)
+    on_prefill: Callable[[float], None] | None = field(default=None, compare=False)
 
     @property
     def endpoints(self) -> tuple[Endpoint, ...]:

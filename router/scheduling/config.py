@@ -28,6 +28,11 @@
                     staleAfterIntervals: 5, maxConcurrency: 32}
     sessions: {maxSessions: 65536}
     reload: {interval: 1s}
+    ttftModel: {enabled: true, window: 256, minSamples: 16, refitEvery: 8, huberK: 1.5,
+                maxOverhead: 10s, maxRatio: 20.0, errorAlpha: 0.05}   # ttft_model.py
+    poolView: {enabled: true, capacityTokens: 50000000}                # pool_view.py
+    sloAdmission: {enabled: false, ttftTarget: 0, action: reject,      # slo.py
+                   retryAfter: 1s, maxQueueWait: 2s, queuePoll: 50ms}
 
 Every section and key is optional; a missing profile gets its default (DEFAULT_PROFILES),
 a profile given replaces the default one whole. Unknown keys are errors (a typo must not
@@ -55,8 +60,11 @@ from router.resources import parse_duration
 from router.scheduling.block_hash import DEFAULT_APPROX_BLOCK_BYTES
 from router.scheduling.context import CostModel
 from router.scheduling.filters import FILTERS
+from router.scheduling.pool_view import DEFAULT_POOL_CAPACITY_TOKENS
 from router.scheduling.scorers import SCORERS
 from router.scheduling.scorers.base import ConfigError, check_params
+from router.scheduling.slo import SLO_ACTIONS, SLOConfig
+from router.scheduling.ttft_model import FitSettings
 
 Unit = Literal["ttft", "score"]
 PROFILE_NAMES: Final = ("prefill", "decode", "aggregated")
@@ -161,6 +169,14 @@ class ReloadConfig:
     interval_s: float = 1.0
 
 
+@dataclass(frozen=True, slots=True)
+class PoolViewConfig:
+    """The dispatch-fed view of ModelServers that declare a shared KV pool (pool_view.py)."""
+
+    enabled: bool = True
+    capacity_tokens: int = DEFAULT_POOL_CAPACITY_TOKENS
+
+
 def key_settings(config: PreciseIndexConfig) -> KeySettings:
     """The default block keying of every ModelServer (validated by `_check`)."""
     keys = config.keys if config.keys in KEYS_SETTINGS else "auto"
@@ -234,6 +250,9 @@ class SchedulerConfig:
     engine_metrics: EngineMetricsConfig = EngineMetricsConfig()
     sessions: SessionsConfig = SessionsConfig()
     reload: ReloadConfig = ReloadConfig()
+    ttft_model: FitSettings = field(default_factory=FitSettings)
+    pool_view: PoolViewConfig = PoolViewConfig()
+    slo: SLOConfig = field(default_factory=SLOConfig)
 
     def profile(self, name: str) -> ProfileConfig:
         return self.profiles.get(name) or DEFAULT_PROFILES[name]
@@ -405,6 +424,9 @@ _SECTIONS: Final[dict[str, tuple[str, type[Any]]]] = {
     "engineMetrics": ("engine_metrics", EngineMetricsConfig),
     "sessions": ("sessions", SessionsConfig),
     "reload": ("reload", ReloadConfig),
+    "ttftModel": ("ttft_model", FitSettings),
+    "poolView": ("pool_view", PoolViewConfig),
+    "sloAdmission": ("slo", SLOConfig),
 }
 
 
@@ -459,6 +481,20 @@ def _check(config: SchedulerConfig, source: str) -> None:
         raise SchedulerConfigError(f"{source}.engineMetrics: interval and timeout must be > 0")
     if config.sessions.max_sessions <= 0:
         raise SchedulerConfigError(f"{source}.sessions.maxSessions: must be positive")
+    if config.slo.action not in SLO_ACTIONS:
+        raise SchedulerConfigError(
+            f"{source}.sloAdmission.action: must be one of {', '.join(SLO_ACTIONS)}"
+        )
+    if config.ttft_model.window < 3 or config.ttft_model.min_samples < 3:
+        raise SchedulerConfigError(f"{source}.ttftModel: window and minSamples must be >= 3")
+    if config.ttft_model.max_ratio < 1 or config.ttft_model.error_alpha > 1:
+        raise SchedulerConfigError(
+            f"{source}.ttftModel: maxRatio must be >= 1 and errorAlpha <= 1"
+        )
+    if config.cost_model.pool_gbytes_per_sec <= 0:
+        raise SchedulerConfigError(f"{source}.costModel.poolGbytesPerSec: must be positive")
+    if config.pool_view.capacity_tokens <= 0:
+        raise SchedulerConfigError(f"{source}.poolView.capacityTokens: must be positive")
     if config.cost_model.ewma_alpha > 1:
         raise SchedulerConfigError(f"{source}.costModel.ewmaAlpha: must be <= 1")
 
@@ -500,6 +536,7 @@ __all__ = [
     "GuardConfig",
     "PairingConfig",
     "PickerConfig",
+    "PoolViewConfig",
     "PreciseIndexConfig",
     "ProfileConfig",
     "SchedulerConfig",

@@ -11,14 +11,15 @@ from __future__ import annotations
 import random
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final, Literal
 
 from router.kvhash.keyspace import KeySpace
 from router.load import InFlight
-from router.resources import ModelServer
+from router.resources import ModelServer, parse_duration
 from router.scheduling import ScheduleRequest
 from router.scheduling.approx_index import ApproximatePrefixIndex
+from router.scheduling.backlog import PrefillBacklog
 from router.scheduling.block_hash import (
     PreciseHasher,
     PromptTokens,
@@ -28,7 +29,9 @@ from router.scheduling.block_hash import (
 )
 from router.scheduling.fallback import PreciseFallback
 from router.scheduling.metrics_scraper import EngineLoad, EngineMetricsStore
+from router.scheduling.pool_view import PendingWrites, PoolSettings, PoolView, pool_settings
 from router.scheduling.precise_index import PrecisePrefixIndex
+from router.scheduling.ttft_model import Coefficients, FitSettings, PrefillFit, TTFTModels
 from router.tokenization import TokenizePool, TokenizerRegistry
 from router.view import Endpoint, ServerPods
 
@@ -42,10 +45,15 @@ INITIAL_MEAN_UNCACHED_TOKENS: Final = 512.0
 class CostModel:
     """Seconds per unit of work: the `ttft` unit's conversion factors (config `costModel`).
 
-    Predicted TTFT of a candidate = queue wait + uncached prompt tokens x
-    `prefill_s_per_token` (+ `prefill_overhead_s` + prompt tokens x
-    `transfer_s_per_token`, the same for every candidate). Defaults match the engine
-    simulator's latency model.
+    Predicted TTFT of a candidate = queue wait + prefill of the uncached prompt tokens
+    (+ the prompt tokens x `transfer_s_per_token` to decode, the same for every
+    candidate). Prefill is the ModelServer's calibrated curve (`ttft_model.py`), seeded
+    with `prefill_overhead_s` + tokens x `prefill_s_per_token`. A prefix in the server's
+    shared KV pool is pulled instead of recomputed when that is faster, at
+    `kv_bytes_per_token` / `pool_gbytes_per_sec` seconds a token (per server: annotations
+    `pdgate.io/kv-bytes-per-token`, `pdgate.io/kv-pool-gbytes-per-sec`). Defaults match
+    the engine simulator's latency model (DeepSeek-V3 / Kimi K2 MLA KV in bf16 over one
+    100 Gb/s NIC).
     """
 
     prefill_s_per_token: float = 1e-4
@@ -64,6 +72,67 @@ class CostModel:
     seconds_per_point: float = 0.05
     #: Weight of the newest request in the running mean of uncached prompt tokens.
     ewma_alpha: float = 0.05
+    #: KV bytes of one token (model-dependent: 61 x (512 + 64) x 2 for DeepSeek-V3/Kimi K2).
+    kv_bytes_per_token: int = 70_272
+    #: Bandwidth a prefill pod pulls KV from the shared pool at, GB/s.
+    pool_gbytes_per_sec: float = 12.5
+
+    def seed(self) -> Coefficients:
+        """The prefill curve before any measurement: overhead + tokens x per-token cost."""
+        return Coefficients(self.prefill_overhead_s, self.prefill_s_per_token, 0.0)
+
+
+KV_BYTES_ANNOTATION: Final = "pdgate.io/kv-bytes-per-token"
+POOL_BANDWIDTH_ANNOTATION: Final = "pdgate.io/kv-pool-gbytes-per-sec"
+SLO_ANNOTATION: Final = "pdgate.io/ttft-slo"
+
+
+def _positive(annotations: dict[str, str], key: str, default: float) -> float:
+    raw = annotations.get(key)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        return default
+    return value if value > 0 else default
+
+
+@dataclass(frozen=True, slots=True)
+class ServerCosts:
+    """What one ModelServer's annotations add to the cost model (computed per snapshot)."""
+
+    scope: str
+    pool: PoolSettings
+    #: Seconds to pull one token of KV from the pool.
+    pull_s_per_token: float
+    #: TTFT target of the SLO gate, seconds (0: none).
+    slo_target_s: float
+
+    @classmethod
+    def of(
+        cls,
+        server: ModelServer,
+        cost: CostModel,
+        pool_enabled: bool,
+        pool_capacity_tokens: int,
+        slo_default_s: float,
+    ) -> ServerCosts:
+        meta = server.meta
+        notes = meta.annotations
+        kv_bytes = _positive(notes, KV_BYTES_ANNOTATION, float(cost.kv_bytes_per_token))
+        gbytes = _positive(notes, POOL_BANDWIDTH_ANNOTATION, cost.pool_gbytes_per_sec)
+        pool = pool_settings(notes, False, pool_capacity_tokens)
+        if not pool_enabled:
+            pool = PoolSettings(False, pool.capacity_tokens)
+        slo = slo_default_s
+        raw = notes.get(SLO_ANNOTATION)
+        if raw is not None:
+            try:
+                slo = float(parse_duration(raw))
+            except ValueError:
+                pass
+        return cls(f"{meta.namespace}/{meta.name}", pool, kv_bytes / (gbytes * 1e9), slo)
 
 
 class LoadEstimator:
@@ -129,7 +198,17 @@ class SchedulerDeps:
     estimator: LoadEstimator
     tokenizers: TokenizerRegistry | None = None  # per-ModelServer tokenizers (precise)
     tokenize_pool: TokenizePool | None = None  # big prompts are tokenized off the loop
+    #: The dispatch-fed view of each server's shared KV pool (approximate keys).
+    pools: PoolView = field(default_factory=PoolView)
+    #: Pool records waiting for their prefill's predicted end.
+    pending: PendingWrites = field(default_factory=PendingWrites)
+    #: Per-server prefill curves, calibrated from measured prefill durations.
+    ttft: TTFTModels = field(
+        default_factory=lambda: TTFTModels(CostModel().seed(), FitSettings())
+    )
     fallback: PreciseFallback | None = None  # servers the precise scorer scores approximately
+    #: Prefill seconds dispatched to each pod and predicted not yet done.
+    backlog: PrefillBacklog = field(default_factory=PrefillBacklog)
 
 
 class PromptInfo:
@@ -282,18 +361,26 @@ class PickContext:
     __slots__ = (
         "approx_depths",
         "approx_hashes",
+        "backlog_s",
+        "compute_tokens",
         "cost",
         "deps",
+        "fit",
         "mean_prefill_s",
         "now",
         "precise_hashes",
         "precise_local",
         "precise_reach",
+        "prefix_scale_s",
         "prompt",
+        "pull_tokens",
+        "ready_at",
         "request",
         "role",
         "server",
+        "server_costs",
         "store_factor",
+        "ttft_unit",
     )
 
     def __init__(
@@ -304,6 +391,7 @@ class PickContext:
         deps: SchedulerDeps,
         cost: CostModel,
         now: float,
+        server_costs: ServerCosts | None = None,
     ) -> None:
         self.request = request
         self.server = server
@@ -312,7 +400,20 @@ class PickContext:
         self.cost = cost
         self.now = now
         self.role: RoleName = "aggregated"
-        self.mean_prefill_s = deps.estimator.mean_prefill_s(cost)
+        self.server_costs = server_costs or ServerCosts.of(server.server, cost, False, 1, 0.0)
+        self.fit: PrefillFit = deps.ttft.get(self.server_costs.scope)
+        self.mean_prefill_s = max(
+            cost.min_request_prefill_s,
+            self.fit.predict(deps.estimator.mean_uncached_tokens),
+        )
+        self.ttft_unit = True
+        # Filled by the prefix scorers (ttft unit): the prefill seconds between no cache
+        # and a full hit, and per candidate the tokens to compute and to pull from the pool.
+        self.prefix_scale_s = 0.0
+        self.compute_tokens: list[float] | None = None
+        self.pull_tokens: list[float] | None = None
+        #: When the chosen prefill is predicted to end (its blocks are then in the pool).
+        self.ready_at = now
         # Filled by the prefix scorers for the candidates they scored (same order).
         self.approx_depths: list[int] | None = None
         self.approx_hashes = 0
@@ -320,6 +421,8 @@ class PickContext:
         self.precise_reach: list[int] | None = None
         self.precise_hashes = 0
         self.store_factor = 1.0
+        # Filled by the `prefill-backlog` scorer: each candidate's predicted wait.
+        self.backlog_s: list[float] | None = None
 
     def session_id(self) -> str | None:
         headers = self.request.headers
@@ -327,6 +430,38 @@ class PickContext:
         if value is None:
             value = headers.get("X-Session-Id")
         return value or None
+
+    def prefix_scores(
+        self, total: float, local: list[float], reach: list[float]
+    ) -> list[float]:
+        """Scores of the Conductor cost: per candidate, prefill of what is not cached
+        locally, or prefill of what the pool lacks plus the pull of the rest from the pool,
+        whichever is faster. `total`, `local`, `reach` are tokens (reach >= local: local
+        or in the pool). Sets `prefix_scale_s` (what a score of 0 costs),
+        `compute_tokens` and `pull_tokens`."""
+        fit = self.fit
+        base = fit.predict(0.0)
+        scale = fit.predict(total) - base
+        pull = self.server_costs.pull_s_per_token
+        scores: list[float] = []
+        compute: list[float] = []
+        pulled: list[float] = []
+        for held, both in zip(local, reach, strict=True):
+            recompute = fit.predict(total - held) - base
+            if both > held:
+                via_pool = fit.predict(total - both) - base + pull * (both - held)
+                if via_pool < recompute:
+                    compute.append(total - both)
+                    pulled.append(both - held)
+                    scores.append(1.0 - via_pool / scale if scale > 0 else 0.0)
+                    continue
+            compute.append(total - held)
+            pulled.append(0.0)
+            scores.append(1.0 - recompute / scale if scale > 0 else 0.0)
+        self.prefix_scale_s = max(0.0, scale)
+        self.compute_tokens = compute
+        self.pull_tokens = pulled
+        return scores
 
     def per_request_s(self) -> float:
         """The wait one request ahead in the queue adds, for the current role (seconds)."""

@@ -12,6 +12,8 @@ from typing import Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from router.scheduling.ttft_model import PrefillFit
+
 DECISION_BUCKETS: Final = (
     5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2,
 )  # fmt: skip
@@ -104,10 +106,51 @@ class SchedulerMetrics:
             "Precise index resyncs of one pod: replay, clear (replay failed), restart.",
             ["how"], registry=registry,
         )
+        self.slo_admission = Counter(
+            "pdgate_scheduler_slo_admission",
+            "TTFT-SLO gate decisions: admitted, rejected (429), queued (waited first).",
+            ["outcome"], registry=registry,
+        )
+        self.slo = {
+            outcome: self.slo_admission.labels(outcome=outcome)
+            for outcome in ("admitted", "rejected", "queued")
+        }
+        self.prefill_error = Histogram(
+            "pdgate_scheduler_prefill_prediction_error_seconds",
+            "|predicted - measured| prefill phase time (queue + prefill + pool pull) of "
+            "sequential PD requests.",
+            buckets=TTFT_BUCKETS, registry=registry,
+        )
+        self.prefill_fit = Gauge(
+            "pdgate_scheduler_prefill_fit",
+            "Per ModelServer prefill curve a + b*x + c*x^2 (x: uncached tokens), its "
+            "samples and running mean relative prediction error.",
+            ["server", "term"], registry=registry,
+        )
         self.config_reloads = Counter(
             "pdgate_scheduler_config_reloads", "Scheduler config reloads, by result.",
             ["result"], registry=registry,
         )
+
+    def observe_prefill(self, predicted: float, measured: float) -> None:
+        self.prefill_error.observe(abs(predicted - measured))
+
+    def track_fit(self, server: str, fit: PrefillFit) -> None:
+        """Export one server's fit at exposition time."""
+        gauge = self.prefill_fit
+        gauge.labels(server, "a").set_function(lambda: fit.coefficients.a)
+        gauge.labels(server, "b").set_function(lambda: fit.coefficients.b)
+        gauge.labels(server, "c").set_function(lambda: fit.coefficients.c)
+        gauge.labels(server, "samples").set_function(lambda: fit.samples)
+        gauge.labels(server, "error_ratio").set_function(lambda: fit.error_rel)
+        gauge.labels(server, "error_seconds").set_function(lambda: fit.error_abs_s)
+
+    def untrack_fit(self, server: str) -> None:
+        for term in ("a", "b", "c", "samples", "error_ratio", "error_seconds"):
+            try:
+                self.prefill_fit.remove(server, term)
+            except KeyError:
+                pass
 
     def track_index(
         self,

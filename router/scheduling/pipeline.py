@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from router.scheduling import Pick, ScheduleRequest
+from router.scheduling.backlog import PrefillBacklog
 from router.scheduling.block_hash import CHAT_PATH
 from router.scheduling.config import ProfileConfig, SchedulerConfig
 from router.scheduling.context import (
@@ -47,10 +48,13 @@ from router.scheduling.context import (
     PickContext,
     PromptInfo,
     SchedulerDeps,
+    ServerCosts,
 )
 from router.scheduling.filters import FILTERS, Filter
 from router.scheduling.metrics import SchedulerMetrics
 from router.scheduling.scorers import SCORERS, Scorer
+from router.scheduling.slo import SLOGate
+from router.scheduling.ttft_model import PrefillFit
 from router.tokenization import ChatInputError, prompt_chars
 from router.tokenization import Endpoint as Prompt
 from router.view import Endpoint, ServerPods
@@ -99,6 +103,8 @@ class Profile:
         cost = [0.0] * n
         total_weight = 0.0
         similarity = self.similarity
+        ctx.ttft_unit = self.ttft
+        ctx.compute_tokens = ctx.pull_tokens = None
         for scorer in self.scorers:
             scores = scorer.score(ctx, cands)
             if scorer.affinity and similarity > 0 and n > 1:
@@ -164,6 +170,7 @@ class _Layout:
     keys: list[str]
     decode: list[Endpoint]
     decode_keys: list[str]
+    costs: ServerCosts
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,19 +183,79 @@ class _PrefixReport:
     precise_reach: list[int] | None
     precise_total: int
     store_factor: float
+    compute_tokens: list[float] | None
+    pull_tokens: list[float] | None
 
 
 def _take_report(ctx: PickContext) -> _PrefixReport:
     report = _PrefixReport(
         ctx.approx_depths, ctx.approx_hashes, ctx.precise_local, ctx.precise_reach,
-        ctx.precise_hashes, ctx.store_factor,
+        ctx.precise_hashes, ctx.store_factor, ctx.compute_tokens, ctx.pull_tokens,
     )
     ctx.approx_depths = ctx.precise_local = ctx.precise_reach = None
+    ctx.compute_tokens = ctx.pull_tokens = None
     return report
+
+
+@dataclass(slots=True)
+class _Decision:
+    """A pick before its bookkeeping: `commit` records it (skipped when the SLO gate
+    refuses the request, or for a dry run); `predicted` is its TTFT (ttft unit)."""
+
+    pick: Pick
+    predicted: float | None
+    commit: Callable[[], None]
 
 
 def _endpoint(path: str, body: dict[str, Any]) -> Prompt:
     return "chat" if path == CHAT_PATH or isinstance(body.get("messages"), list) else "completion"
+
+
+class _PrefillTicket:
+    """One sequential-PD prefill's prediction, from dispatch to its measured end.
+
+    Predicted duration = the pod's backlog (`backlog.py`; at least the engine's own
+    waiting queue x the mean prefill, which counts other routers' requests too) + the fit
+    of the uncached tokens + the pool pull. The measured duration feeds the
+    prediction-error metrics, the fit (only when nothing was queued ahead: the sample is
+    then pure service time) and the backlog's correction."""
+
+    __slots__ = (
+        "_backlog", "_calibrates", "_clock", "_end", "_fit", "_idle", "_key", "_metrics",
+        "_pull_s", "_sent", "_service_s", "compute", "predicted",
+    )
+
+    def __init__(
+        self, fit: PrefillFit, metrics: SchedulerMetrics, backlog: PrefillBacklog,
+        clock: Callable[[], float], key: str, compute: float, pull_s: float, idle: bool,
+        now: float, others_s: float, calibrates: bool,
+    ) -> None:
+        self._fit, self._metrics, self._backlog, self._clock = fit, metrics, backlog, clock
+        self._key, self.compute, self._pull_s, self._idle = key, compute, pull_s, idle
+        self._calibrates = calibrates
+        self._service_s = fit.predict(compute) + pull_s
+        wait = max(0.0 if idle else backlog.wait_s(key, now), others_s)
+        self.predicted = wait + self._service_s
+        self._sent = now
+        self._end = now + self.predicted
+
+    def dispatch(self) -> None:
+        """The request goes to the pod: its service joins the pod's backlog."""
+        self._end = self._backlog.dispatch(self._key, self._service_s, self._sent, self._idle)
+
+    def done(self, seconds: float) -> None:
+        """The prefill took `seconds` (from sending it to its KV handle)."""
+        self._backlog.finished(self._key, self._end, self._clock())
+        if not self._calibrates:
+            return
+        self._fit.observe_error(self.predicted, seconds)
+        self._metrics.observe_prefill(self.predicted, seconds)
+        if self.predicted - self._service_s <= 0.0:
+            self._fit.add_sample(self.compute, seconds - self._pull_s)
+
+
+def _nothing() -> None:
+    """The commit of a decision that records nothing."""
 
 
 def _choose(rng_index: Callable[[int], int], costs: Sequence[float], tolerance: float) -> int:
@@ -213,6 +280,8 @@ class PipelineScheduler:
         self._clock = clock
         self._profiles = build_profiles(config, deps)
         self._layouts: dict[int, tuple[ServerPods, _Layout]] = {}
+        deps.ttft.configure(config.cost_model.seed(), config.ttft_model)
+        self._slo = SLOGate(config.slo, metrics)
 
     @property
     def config(self) -> SchedulerConfig:
@@ -233,18 +302,34 @@ class PipelineScheduler:
             decode = [p for g in server.groups for p in g.decode]
         else:
             pods, decode = list(server.aggregated), []
-        layout = _Layout(pods, [p.key for p in pods], decode, [p.key for p in decode])
+        config = self._profiles.config
+        costs = ServerCosts.of(
+            server.server, config.cost_model, config.pool_view.enabled,
+            config.pool_view.capacity_tokens, config.slo.ttft_target_s,
+        )
+        layout = _Layout(pods, [p.key for p in pods], decode, [p.key for p in decode], costs)
         self._layouts[id(server)] = (server, layout)
         return layout
 
     def set_config(self, config: SchedulerConfig) -> None:
         """Swap in new profiles (built first, so a bad config leaves the old one running)."""
         self._profiles = build_profiles(config, self.deps)
+        self._layouts.clear()  # server costs depend on the config
+        self.deps.ttft.configure(config.cost_model.seed(), config.ttft_model)
+        self._slo.config = config.slo
 
     # -- the Scheduler protocol ---------------------------------------------------------------
 
     async def prepare(self, server: ServerPods, request: ScheduleRequest) -> None:
-        """Tokenize a big prompt off the event loop when the precise scorer will need it."""
+        """Tokenize a big prompt off the event loop when the precise scorer will need it;
+        with the SLO gate's `queue` action, wait while the prediction is over target."""
+        await self._tokenize(server, request)
+        if self._slo.config.enabled:
+            await self._slo.wait(
+                self._layout(server).costs, lambda: self.predict(server, request)
+            )
+
+    async def _tokenize(self, server: ServerPods, request: ScheduleRequest) -> None:
         deps = self.deps
         pool = deps.tokenize_pool
         if (
@@ -284,7 +369,27 @@ class PipelineScheduler:
     def pick(
         self, server: ServerPods, request: ScheduleRequest, avoid: frozenset[str]
     ) -> Pick | None:
+        """Choose the pods; raises a 429 `APIError` when the SLO gate refuses (see slo.py)."""
         started = time.perf_counter()
+        decision = self._decide(server, request, avoid)
+        if decision is not None:
+            self._slo.check(self._layout(server).costs, decision.predicted)
+            decision.commit()
+        observe = self.metrics.decision_pd if server.is_pd else self.metrics.decision_aggregated
+        observe.observe(time.perf_counter() - started)
+        return None if decision is None else decision.pick
+
+    def predict(
+        self, server: ServerPods, request: ScheduleRequest, avoid: frozenset[str] = frozenset()
+    ) -> float | None:
+        """The predicted TTFT of the pods `pick` would choose now, recording nothing."""
+        decision = self._decide(server, request, avoid)
+        return None if decision is None else decision.predicted
+
+    def _decide(
+        self, server: ServerPods, request: ScheduleRequest, avoid: frozenset[str]
+    ) -> _Decision | None:
+        self.deps.pending.flush(self._clock())
         profiles = self._profiles
         config = profiles.config
         approx = config.approximate_index
@@ -292,17 +397,16 @@ class PipelineScheduler:
             request, self.deps.hasher, approx.block_bytes, approx.max_prompt_blocks,
             approx.chars_per_token, server.server,
         )
-        ctx = PickContext(request, server, prompt, self.deps, config.cost_model, self._clock())
+        ctx = PickContext(
+            request, server, prompt, self.deps, config.cost_model, self._clock(),
+            self._layout(server).costs,
+        )
         flow = request.flow
         if flow == "single" or (flow == "generate" and server.is_pd):
             return self._pick_single(profiles, ctx, server, avoid)
         if server.is_pd:
-            result = self._pick_pd(profiles, ctx, server, avoid)
-            self.metrics.decision_pd.observe(time.perf_counter() - started)
-        else:
-            result = self._pick_aggregated(profiles, ctx, server, avoid)
-            self.metrics.decision_aggregated.observe(time.perf_counter() - started)
-        return result
+            return self._pick_pd(profiles, ctx, server, avoid)
+        return self._pick_aggregated(profiles, ctx, server, avoid)
 
     # -- candidates ---------------------------------------------------------------------------
 
@@ -339,7 +443,7 @@ class PipelineScheduler:
 
     def _pick_aggregated(
         self, profiles: _Profiles, ctx: PickContext, server: ServerPods, avoid: frozenset[str]
-    ) -> Pick | None:
+    ) -> _Decision | None:
         if not server.aggregated:
             return None
         layout = self._layout(server)
@@ -348,19 +452,30 @@ class PipelineScheduler:
         cands = self._narrow(ctx, profile, layout.pods, layout.keys, avoid, 2)
         costs = profile.costs(ctx, cands)
         report = _take_report(ctx)
-        if profile.guard(cands, costs):
-            self.metrics.guard["aggregated"].inc()
+        guarded = profile.guard(cands, costs)
         index = _choose(self.deps.rng.randrange, costs, profile.tolerance(ctx))
-        self._dispatched(ctx, profile, cands, index, report)
-        if profile.ttft and costs[index] < GUARD_PENALTY:
-            self.metrics.predicted_aggregated.observe(
-                costs[index] + ctx.cost.prefill_overhead_s
-            )
-        return Pick(decode=cands.pods[index], decode_cost=costs[index])
+        predicted = (
+            costs[index] + ctx.fit.predict(0.0)
+            if profile.ttft and costs[index] < GUARD_PENALTY
+            else None
+        )
+
+        if predicted is not None:
+            ctx.ready_at = ctx.now + predicted
+
+        def commit() -> None:
+            if guarded:
+                self.metrics.guard["aggregated"].inc()
+            self._dispatched(ctx, profile, cands, index, report)
+            if predicted is not None:
+                self.metrics.predicted_aggregated.observe(predicted)
+
+        pick = Pick(decode=cands.pods[index], decode_cost=costs[index])
+        return _Decision(pick, predicted, commit)
 
     def _pick_single(
         self, profiles: _Profiles, ctx: PickContext, server: ServerPods, avoid: frozenset[str]
-    ) -> Pick | None:
+    ) -> _Decision | None:
         """One pod for a request outside the PD flow: an aggregated pod, or a PD server's
         decode pod. The role's filters apply, then the least loaded wins (ties at random);
         scorers are not consulted and nothing is recorded, since the request leaves no
@@ -376,7 +491,7 @@ class PipelineScheduler:
         cands = self._narrow(ctx, profile, pods, keys, avoid, 2)
         loads = cands.loads()
         index = _choose(self.deps.rng.randrange, loads, 0.0)
-        return Pick(decode=cands.pods[index], decode_cost=loads[index])
+        return _Decision(Pick(decode=cands.pods[index], decode_cost=loads[index]), None, _nothing)
 
     # -- prefill/decode pairs -----------------------------------------------------------------
 
@@ -390,7 +505,7 @@ class PipelineScheduler:
 
     def _pick_pd(
         self, profiles: _Profiles, ctx: PickContext, server: ServerPods, avoid: frozenset[str]
-    ) -> Pick | None:
+    ) -> _Decision | None:
         if not server.groups:
             return None
         layout = self._layout(server)
@@ -419,13 +534,11 @@ class PipelineScheduler:
         ctx.role = "prefill"
         pre_costs = pre_profile.costs(ctx, pre)
         report = _take_report(ctx)
-        if pre_profile.guard(pre, pre_costs):
-            self.metrics.guard["prefill"].inc()
+        pre_guarded = pre_profile.guard(pre, pre_costs)
         ctx.role = "decode"
         dec_costs = dec_profile.costs(ctx, dec)
         _take_report(ctx)
-        if dec_profile.guard(dec, dec_costs):
-            self.metrics.guard["decode"].inc()
+        dec_guarded = dec_profile.guard(dec, dec_costs)
         if level == 0:
             # Last resort: every group has an avoided or ejected pod. Still prefer the pair
             # with the fewest of them, so a retry does not walk back onto a dead pod.
@@ -461,20 +574,55 @@ class PipelineScheduler:
         pi = self._within(pre, pre_costs, group, tolerance, rng_index)
         ctx.role = "decode"
         di = self._within(dec, dec_costs, group, dec_profile.tolerance(ctx), rng_index)
-        ctx.role = "prefill"
-        self._dispatched(ctx, pre_profile, pre, pi, report)
-        ctx.role = "decode"
-        for scorer in dec_profile.scorers:
-            scorer.picked(ctx, dec, di)
-        predicted = pre_costs[pi] + weight * dec_costs[di]
-        if pre_profile.ttft and predicted < GUARD_PENALTY:
-            model = ctx.cost
-            self.metrics.predicted_pd.observe(
-                predicted + model.prefill_overhead_s
-                + ctx.prompt.token_count() * model.transfer_s_per_token
+        pair = pre_costs[pi] + weight * dec_costs[di]
+        predicted: float | None = None
+        if pre_profile.ttft and pair < GUARD_PENALTY:
+            predicted = (
+                pair + ctx.fit.predict(0.0)
+                + ctx.prompt.token_count() * ctx.cost.transfer_s_per_token
             )
-        return Pick(decode=dec.pods[di], prefill=pre.pods[pi], decode_cost=dec_costs[di],
-                    prefill_cost=pre_costs[pi])
+        ticket = self._prefill_ticket(ctx, pre, pi, report)
+        if pre_profile.ttft and pre_costs[pi] < GUARD_PENALTY:
+            ctx.ready_at = ctx.now + pre_costs[pi] + ctx.fit.predict(0.0)
+
+        def commit() -> None:
+            if pre_guarded:
+                self.metrics.guard["prefill"].inc()
+            if dec_guarded:
+                self.metrics.guard["decode"].inc()
+            ctx.role = "prefill"
+            self._dispatched(ctx, pre_profile, pre, pi, report)
+            ticket.dispatch()
+            ctx.role = "decode"
+            for scorer in dec_profile.scorers:
+                scorer.picked(ctx, dec, di)
+            if predicted is not None:
+                self.metrics.predicted_pd.observe(predicted)
+
+        pick = Pick(decode=dec.pods[di], prefill=pre.pods[pi], decode_cost=dec_costs[di],
+                    prefill_cost=pre_costs[pi], on_prefill=ticket.done)
+        return _Decision(pick, predicted, commit)
+
+    def _prefill_ticket(
+        self, ctx: PickContext, cands: Candidates, index: int, report: _PrefixReport
+    ) -> _PrefillTicket:
+        """The chosen prefill's prediction (queue + compute + pull) and what to do with its
+        measured duration (sequential PD). Without a Conductor cost (no prefix scorer in
+        ttft unit) the whole prompt counts as computed, and the fit learns nothing from it
+        (what the pod had cached is unknown)."""
+        known = report.compute_tokens is not None and report.pull_tokens is not None
+        if report.compute_tokens is not None and report.pull_tokens is not None:
+            compute = report.compute_tokens[index]
+            pull_s = report.pull_tokens[index] * ctx.server_costs.pull_s_per_token
+        else:
+            compute, pull_s = float(ctx.prompt.token_count()), 0.0
+        engine = cands.engine[index]
+        waiting = engine.waiting if engine is not None and engine.waiting else 0.0
+        return _PrefillTicket(
+            ctx.fit, self.metrics, self.deps.backlog, self._clock, cands.keys[index],
+            compute, pull_s, cands.inflight[index] == 0, ctx.now, waiting * ctx.mean_prefill_s,
+            calibrates=known,
+        )
 
     @staticmethod
     def _within(
@@ -526,5 +674,8 @@ class PipelineScheduler:
             # profile (after a reload) starts from, so it would spread away from its hits.
             return
         tokens = ctx.prompt.token_count()
-        uncached = tokens * (1.0 - cached) if cached is not None else float(tokens)
+        if report.compute_tokens is not None:
+            uncached = report.compute_tokens[index]
+        else:
+            uncached = tokens * (1.0 - cached) if cached is not None else float(tokens)
         self.deps.estimator.observe(uncached, ctx.cost.ewma_alpha)

@@ -211,6 +211,27 @@ class PrecisePrefixIndex:
             pool.popitem(last=False)
             self.overflow_evictions += 1
 
+    def record_pool(self, scope: str, keys: Sequence[int], capacity_blocks: int) -> None:
+        """A dispatched prompt's blocks (index keys) are in `scope`'s store pool: the
+        dispatch-fed pool view (`pool_view.py`) for engines that publish no store events.
+        LRU: a block seen again moves to the young end; the bound is the smaller of the
+        pool's capacity and `max_store_blocks`."""
+        if not keys:
+            return
+        pool = self._stores.get(scope)
+        if pool is None:
+            pool = self._stores[scope] = OrderedDict()
+        move = pool.move_to_end
+        for block_key in keys:
+            if block_key in pool:
+                move(block_key)
+            else:
+                pool[block_key] = None
+        limit = min(capacity_blocks, self.max_store_blocks)
+        while len(pool) > limit:
+            pool.popitem(last=False)
+            self.overflow_evictions += 1
+
     def removed(self, key: str, scope: str, hashes: Sequence[int], medium: str | None) -> None:
         if self.is_store_medium(medium):
             pool = self._stores.get(scope)

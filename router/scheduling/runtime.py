@@ -60,7 +60,9 @@ from router.scheduling.metrics_scraper import (
     ScrapeSettings,
 )
 from router.scheduling.pipeline import PipelineScheduler
+from router.scheduling.pool_view import PoolView
 from router.scheduling.precise_index import PrecisePrefixIndex
+from router.scheduling.ttft_model import TTFTModels
 from router.scheduling.watcher import SchedulerConfigWatcher
 from router.tokenization import TokenizePool, TokenizerRegistry
 from router.tokenization.parity import ParityProber
@@ -124,6 +126,7 @@ class SchedulerRuntime:
             self.tokenizers, self.parity, registry, injected=tokenize is not None,
             enabled=lambda: self.config.uses("precise-prefix-cache"),
         )
+        self.pools = PoolView()
         self.deps = SchedulerDeps(
             inflight=inflight,
             engines=self.engines,
@@ -136,6 +139,11 @@ class SchedulerRuntime:
             estimator=LoadEstimator(),
             tokenizers=self.tokenizers,
             tokenize_pool=self.tokenize_pool,
+            pools=self.pools,
+            ttft=TTFTModels(
+                config.cost_model.seed(), config.ttft_model,
+                on_new=self.metrics.track_fit, on_drop=self.metrics.untrack_fit,
+            ),
             fallback=self.fallback,
         )
         self.scheduler = PipelineScheduler(config, self.deps, self.metrics, clock)
@@ -163,6 +171,10 @@ class SchedulerRuntime:
             "precise", lambda: self.precise.total_blocks, self.precise.memory_bytes,
             lambda: self.precise.overflow_evictions,
         )
+        self.metrics.track_index(
+            "pool", lambda: self.pools.total_blocks, self.pools.memory_bytes,
+            lambda: self.pools.evictions,
+        )
         view.subscribe(self._on_snapshot)
         self._on_snapshot(view.snapshot)
 
@@ -180,6 +192,11 @@ class SchedulerRuntime:
         self.fallback.on_snapshot(snapshot)
         self.scheduler.forget_layouts()
         self.approx.retain(keys)
+        self.deps.backlog.retain(keys)
+        scopes = {f"{s.server.meta.namespace}/{s.server.meta.name}"
+                  for s in snapshot.servers.values()}
+        self.pools.retain_scopes(scopes)
+        self.deps.ttft.retain_scopes(scopes)
         self.scraper.on_snapshot(snapshot)
         self.kv_events.on_snapshot(snapshot)
 

@@ -23,6 +23,16 @@ turn costs a dictionary lookup. Pieces missing from the memo are encoded in one 
 call. For other tokenizers (`piecewise` false) whole texts are memoized. Bounds:
 `PIECE_MEMO_ENTRIES` pieces holding at most `PIECE_MEMO_TOKENS` ids, pieces shorter than
 `PIECE_MEMO_MIN_CHARS` are not stored; `TEXT_MEMO_ENTRIES` whole texts.
+
+Chunks, exact by construction too. A byte-level BPE (`ByteLevel` pre-tokenizer, no prefix
+space added) encodes each pre-token on its own, and the regex splits of every such
+tokenizer in use (GPT-2, cl100k/Llama 3, DeepSeek, Qwen) end a pre-token at a space that
+follows a letter and precedes one (the space starts the next word's pre-token). So a
+piece longer than `CHUNK_CHARS` is cut there, about every `CHUNK_CHARS` characters counted
+from the piece's start, and its chunks go through the piece memo: two prompts that share a
+long leading text (a document, a conversation's earlier turns in one message) share their
+leading chunks, and only the rest is encoded. The test suite checks chunked == whole on
+random and real texts.
 """
 
 from __future__ import annotations
@@ -49,6 +59,8 @@ PIECE_MEMO_ENTRIES: Final = 4_096
 PIECE_MEMO_TOKENS: Final = 4_000_000
 PIECE_MEMO_MIN_CHARS: Final = 32
 TEXT_MEMO_ENTRIES: Final = 256
+#: Pieces longer than twice this are cut into chunks of about this many characters.
+CHUNK_CHARS: Final = 1_024
 #: Bound of compiled request-level templates kept per tokenizer.
 TEMPLATE_CACHE_ENTRIES: Final = 8
 
@@ -108,6 +120,39 @@ def _piecewise(spec: Mapping[str, Any]) -> bool:
     return "Metaspace" not in json.dumps(spec.get("pre_tokenizer"))
 
 
+def _chunkable(spec: Mapping[str, Any]) -> bool:
+    """Whether a space between two letters always starts a pre-token (the docstring):
+    a byte-level pre-tokenizer that adds no prefix space, and no other kind."""
+    pre = json.dumps(spec.get("pre_tokenizer"))
+    return (
+        _piecewise(spec)
+        and '"ByteLevel"' in pre
+        and '"add_prefix_space": true' not in pre
+        and not any(kind in pre for kind in ('"Whitespace', '"BertPreTokenizer"',
+                                             '"CharDelimiterSplit"', '"Metaspace"'))
+    )
+
+
+def chunks(piece: str, size: int = CHUNK_CHARS) -> list[str]:
+    """`piece` cut at spaces between two letters, about every `size` characters from its
+    start (a piece shorter than 2 x `size` stays whole)."""
+    end = len(piece)
+    if end < 2 * size:
+        return [piece]
+    out: list[str] = []
+    start = 0
+    while end - start >= 2 * size:
+        cut = piece.find(" ", start + size)
+        while 0 < cut < end - 1 and not (piece[cut - 1].isalpha() and piece[cut + 1].isalpha()):
+            cut = piece.find(" ", cut + 1)
+        if cut <= 0 or cut >= end - 1:
+            break
+        out.append(piece[start:cut])
+        start = cut
+    out.append(piece[start:])
+    return out
+
+
 class ModelTokenizer:
     """One model's tokenizer + chat template. Thread-safe; one per model, shared."""
 
@@ -119,6 +164,7 @@ class ModelTokenizer:
         name: str = "",
         chat_template: str | None = None,
         piecewise: bool = False,
+        chunked: bool = False,
     ) -> None:
         self.name = name
         self.config = config
@@ -136,6 +182,7 @@ class ModelTokenizer:
             re.compile("(" + "|".join(map(re.escape, added)) + ")") if added else None
         )
         self.piecewise = piecewise
+        self.chunked = piecewise and chunked
         self._pieces = _LRU(PIECE_MEMO_ENTRIES, PIECE_MEMO_TOKENS)
         self._texts = _LRU(TEXT_MEMO_ENTRIES, PIECE_MEMO_TOKENS)
 
@@ -161,7 +208,7 @@ class ModelTokenizer:
         try:
             return cls(
                 backend, config, name=name or str(directory), chat_template=template,
-                piecewise=_piecewise(spec),
+                piecewise=_piecewise(spec), chunked=_chunkable(spec),
             )
         except ChatTemplateError as exc:
             raise TokenizerLoadError(str(exc)) from exc
@@ -173,7 +220,7 @@ class ModelTokenizer:
         try:
             return ModelTokenizer(
                 self._backend, self.config, name=self.name, chat_template=template,
-                piecewise=self.piecewise,
+                piecewise=self.piecewise, chunked=self.chunked,
             )
         except ChatTemplateError as exc:
             raise TokenizerLoadError(str(exc)) from exc
@@ -226,12 +273,23 @@ class ModelTokenizer:
         if not self.piecewise or self._splitter is None:
             return self.encode(text, add_special_tokens=False)
         pieces = self._splitter.split(text)
+        if self.chunked:  # long pieces cut in exact chunks (the module docstring)
+            cut: list[str] = []
+            for i, piece in enumerate(pieces):
+                if i % 2 or len(piece) < 2 * CHUNK_CHARS:
+                    cut.append(piece)
+                else:  # keep added tokens at odd positions: empty separators between chunks
+                    for j, chunk in enumerate(chunks(piece)):
+                        if j:
+                            cut.append("")
+                        cut.append(chunk)
+            pieces = cut
         out: list[tuple[int, ...] | None] = []
         misses: list[int] = []
         added = self._added_ids
         for i, piece in enumerate(pieces):
-            if i % 2:  # an added token
-                out.append((added[piece],))
+            if i % 2:  # an added token (or an empty separator between chunks)
+                out.append((added[piece],) if piece else ())
                 continue
             if not piece:
                 out.append(())

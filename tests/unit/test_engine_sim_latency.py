@@ -59,3 +59,26 @@ async def test_scheduler_cancelled_waiter_leaves_queue() -> None:
     assert scheduler.waiting == 0
     scheduler.release()
     assert scheduler.running == 0
+
+
+def test_kv_transfer_costs_bytes_over_bandwidth() -> None:
+    from engine_sim.latency import MLA_KV_BYTES_PER_TOKEN
+
+    assert MLA_KV_BYTES_PER_TOKEN == 70_272  # DeepSeek-V3 / Kimi K2: 61 x (512 + 64) x 2
+    model = LatencyModel(kv_bytes_per_token=1000, kv_bandwidth_bytes_per_s=1e6)
+    assert model.kv_transfer_seconds(500) == pytest.approx(0.5)
+    assert model.kv_transfer_seconds(0) == 0.0
+    assert LatencyModel.fast().kv_transfer_seconds(10**6) == 0.0
+
+
+def test_kv_flags_reach_the_latency_model() -> None:
+    from engine_sim.cli import parse_config as parse_args
+
+    config = parse_args(["--role", "both", "--port", "0", "--model", "m",
+                         "--kv-bytes-per-token", "2048", "--kv-gbytes-per-s", "2"])
+    assert config.latency.kv_bytes_per_token == 2048
+    assert config.latency.kv_bandwidth_bytes_per_s == pytest.approx(2e9)
+    assert config.latency.kv_transfer_seconds(1_000_000) == pytest.approx(1.024)
+    assert config.store_load_per_token_s is None
+    with pytest.raises(SystemExit):
+        parse_args(["--role", "both", "--port", "0", "--model", "m", "--kv-gbytes-per-s", "0"])

@@ -135,11 +135,11 @@ def test_prefix_cache_score_is_the_matched_fraction() -> None:
     rt.approx.record("default/a", hashes[:5])
     scorer = PrefixCacheScorer(1.0, rt.deps, {})
     cands = candidates(rt, list(server.aggregated))
-    assert scorer.score(ctx, cands) == [5 / total, 0.0]
+    assert scorer.score(ctx, cands) == pytest.approx([5 / total, 0.0])
     tokens = ctx.prompt.token_count()
     assert scorer.scale_s(ctx, cands) == pytest.approx(tokens * CostModel().prefill_s_per_token)
     scorer.picked(ctx, cands, 1)  # dispatch records the whole prompt for the chosen pod
-    assert scorer.score(ctx, cands) == [5 / total, 1.0]
+    assert scorer.score(ctx, cands) == pytest.approx([5 / total, 1.0])
 
 
 def test_precise_prefix_cache_counts_store_hits_at_a_factor() -> None:
@@ -154,10 +154,24 @@ def test_precise_prefix_cache_counts_store_hits_at_a_factor() -> None:
     rt.precise.stored("default/p1", "default/pd", hashes[:10], "MOONCAKE")
     scorer = PrecisePrefixCacheScorer(1.0, rt.deps, {"storeHitFactor": 0.5})
     cands = candidates(rt, list(server.groups[0].prefill))
-    # p1: 4 local + 6 more from the store at 0.5; p2: 10 from the store at 0.5.
+    # Score unit: p1: 4 local + 6 more from the store at 0.5; p2: 10 from the store at 0.5.
+    ctx.ttft_unit = False
     assert scorer.score(ctx, cands) == [pytest.approx((4 + 0.5 * 6) / total),
                                         pytest.approx(0.5 * 10 / total)]
     assert ctx.precise_local == [4, 0] and ctx.precise_reach == [10, 10]
+    # ttft unit (Mooncake's Conductor): pulling a block beats recomputing it, so each pod
+    # computes what the pool lacks and pulls the rest: cost = b x (T - 160) + pull x moved.
+    ctx.ttft_unit = True
+    cost = CostModel()
+    pull = cost.kv_bytes_per_token / (cost.pool_gbytes_per_sec * 1e9)
+    tokens = ctx.prompt.token_count()
+    b = cost.prefill_s_per_token
+    expected = [b * (tokens - 160) + pull * 96, b * (tokens - 160) + pull * 160]
+    scores = scorer.score(ctx, cands)
+    scale = scorer.scale_s(ctx, cands)
+    assert scale == pytest.approx(b * tokens)
+    assert [scale * (1 - s) for s in scores] == pytest.approx(expected)
+    assert ctx.pull_tokens == [96, 160] and ctx.compute_tokens == [tokens - 160] * 2
 
 
 def test_least_request_score_and_its_seconds() -> None:

@@ -23,6 +23,7 @@ from router.tokenization import (
     resolve_tokenizer_dir,
 )
 from router.tokenization.messages import conversation, tool_schemas
+from router.tokenization.tokenizer import chunks
 from router.view import ServerPods, Snapshot
 from tests.sim_tokens import sim_server, sim_tokenizer
 
@@ -224,6 +225,55 @@ def test_piecewise_memo_equals_whole_text_encoding() -> None:
         text = ("system prompt shared by many requests " * 3) + text
         assert tokenizer.encode_chat_text(text) == backend.encode(text, False), repr(text)
     assert tokenizer.memo_stats["piece_hits"] > 0
+
+
+def _long_text(rng: random.Random, words: int) -> str:
+    vocab = ["alpha", "beta", "it's", "don't", "naïve", "東京", "x1", "42", "3.14", "e.g.",
+             "(note)", "a-b", "#tag", "URL:", "http://x.y/z", "😀", "Ωmega", "über"]
+    seps = [" ", " ", " ", " ", "  ", "\n", " \n", "\n\n", "\t", ", ", ". "]
+    return "".join(rng.choice(vocab) + rng.choice(seps) for _ in range(words))
+
+
+def test_chunked_memo_equals_whole_text_encoding() -> None:
+    """Long pieces are cut at spaces between letters (`tokenizer.chunks`); the ids are the
+    whole text's, and prompts that share a long leading text share its chunks."""
+    tokenizer = sim_tokenizer()
+    assert tokenizer.chunked
+    backend = ModelTokenizer.from_dir(DEEPSEEK_DIR)
+    rng = random.Random(5)
+    shared = _long_text(rng, 900)
+    for i in range(40):
+        text = _long_text(rng, rng.randrange(600, 1500))
+        if i % 2:
+            text = shared + text  # a long shared prefix: its chunks come from the memo
+        assert len(chunks(text)) > 1
+        assert tokenizer.encode_chat_text(text) == backend.encode(text, False), i
+        assert tokenizer.encode_chat_text(BOS + text + EOS) == backend.encode(
+            BOS + text + EOS, False
+        )
+    assert tokenizer.memo_stats["piece_hits"] > 0
+
+
+def test_chunks_hold_for_a_gpt2_style_byte_level_bpe(tmp_path: Path) -> None:
+    """The cut rule against another byte-level BPE (GPT-2's regex, trained here)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    rng = random.Random(9)
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    corpus = [_long_text(rng, 200) for _ in range(20)]
+    bpe.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=600,
+                                                        special_tokens=["<s>"]))
+    directory = tmp_path / "gpt2ish"
+    directory.mkdir()
+    bpe.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>"}))
+    tokenizer = ModelTokenizer.from_dir(directory)
+    assert tokenizer.piecewise and tokenizer.chunked
+    for _ in range(30):
+        text = _long_text(rng, rng.randrange(400, 1200))
+        assert tokenizer.encode_chat_text(text) == tuple(bpe.encode(text).ids)
 
 
 # -- missing or broken tokenizers --------------------------------------------------------------

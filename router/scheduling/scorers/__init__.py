@@ -8,6 +8,7 @@ from router.scheduling.scorers.base import ConfigError, Param, Scorer
 from router.scheduling.scorers.kv_cache_usage import KVCacheUsageScorer
 from router.scheduling.scorers.least_request import LeastRequestScorer
 from router.scheduling.scorers.precise_prefix_cache import PrecisePrefixCacheScorer
+from router.scheduling.scorers.prefill_backlog import PrefillBacklogScorer
 from router.scheduling.scorers.prefix_cache import PrefixCacheScorer
 from router.scheduling.scorers.queue_depth import QueueScorer
 from router.scheduling.scorers.random_score import RandomScorer
@@ -20,6 +21,7 @@ SCORERS: Final[dict[str, type[Scorer]]] = {
         PrefixCacheScorer,
         PrecisePrefixCacheScorer,
         LeastRequestScorer,
+        PrefillBacklogScorer,
         QueueScorer,
         KVCacheUsageScorer,
         SessionAffinityScorer,
@@ -35,6 +37,7 @@ __all__ = [
     "LeastRequestScorer",
     "Param",
     "PrecisePrefixCacheScorer",
+    "PrefillBacklogScorer",
     "PrefixCacheScorer",
     "QueueScorer",
     "RandomScorer",

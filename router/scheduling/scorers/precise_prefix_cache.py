@@ -1,6 +1,7 @@
 """`precise-prefix-cache`: how much of the prompt the engine itself says a pod holds.
 
-    s_p = (L_p + f x (R_p - L_p)) / B
+    ttft unit:   cost_p = min(P(T - L_p), P(T - R_p) + (R_p - L_p) x pull)  - P(0)
+    score unit:  s_p = (L_p + f x (R_p - L_p)) / B
 
 - B   = the prompt's engine blocks (`block_hash.PreciseHasher`: the engine's tokens, keyed
         in the ModelServer's key space: vLLM's block hashes or token keys, see
@@ -8,20 +9,24 @@
 - L_p = leading blocks pod p holds itself (GPU, or a local offload medium such as CPU),
         from its KV events (`PrecisePrefixIndex`);
 - R_p = leading blocks pod p holds itself OR finds in the shared store pool of the
-        ModelServer (blocks a pod published with a store medium, e.g. MOONCAKE): any
-        prefill pod can load those (Mooncake Store awareness);
-- f   = `storeHitFactor` (default 0.7, in [0, 1]): a store hit saves the prefill compute
-        but costs the transfer from the store, so it is worth less than a local hit;
+        ModelServer: blocks a pod published with a store medium (e.g. MOONCAKE), and,
+        when the ModelServer declares a pool (`pool_view.py`), the prompts the router
+        dispatched to it (engines that publish no store events are not blind);
+- T   = the prompt's tokens; L_p, R_p in tokens are blocks x the block size;
+- P, pull: the server's calibrated prefill curve and pool pull cost, as in `prefix-cache`
+        (Mooncake's Conductor: the pool pays only when pulling beats recomputing);
+- f   = `storeHitFactor` (default 0.7, in [0, 1]): score unit, the weight of a pool hit;
+        ttft unit, 0 means the engines cannot read the pool (no credit), any other value
+        lets the Conductor cost decide;
 - B = 0: s_p = 0 for every pod.
 
-ttft scale: T x `prefill_s_per_token` (T = the prompt's tokens, exact here), so the
-weighted shortfall is the prefill time of the uncached part, store hits charged (1 - f).
+ttft scale: P(T) - P(0), so w x scale x (1 - s_p) = cost_p.
 
 Fallback: for a ModelServer whose tokens cannot be trusted (no tokenizer, one that failed
 to load or is loading, or a failed parity check against the engine's `/tokenize`:
-`router.scheduling.fallback`), the score is the approximate `prefix-cache` score
-(m_p / B over the approximate index) and the chosen pod is recorded there, so that server
-keeps cache-aware routing; `pdgate_precise_fallback` says which servers and why.
+`router.scheduling.fallback`), the scorer is `prefix-cache` (approximate index, pool view
+and Conductor cost alike) and the chosen pod is recorded there, so that server keeps
+cache-aware routing; `pdgate_precise_fallback` says which servers and why.
 """
 
 from __future__ import annotations
@@ -31,7 +36,11 @@ from typing import ClassVar
 from router.scheduling.context import Candidates, PickContext
 from router.scheduling.kv_events import scope_of
 from router.scheduling.scorers.base import Param, Scorer
-from router.scheduling.scorers.prefix_cache import approximate_scores, record_approximate
+from router.scheduling.scorers.prefix_cache import (
+    approximate_scale_s,
+    approximate_scores,
+    record_approximate,
+)
 
 
 class PrecisePrefixCacheScorer(Scorer):
@@ -45,9 +54,10 @@ class PrecisePrefixCacheScorer(Scorer):
 
     def score(self, ctx: PickContext, cands: Candidates) -> list[float]:
         if self._fallen_back(ctx):
-            return approximate_scores(ctx, cands, self.deps.approx)
+            return approximate_scores(ctx, cands, self.deps, self.params["storeHitFactor"])
         scope = scope_of(ctx.server)
-        hashes = ctx.prompt.precise_hashes(self.deps.precise.space(scope))
+        space = self.deps.precise.space(scope)
+        hashes = ctx.prompt.precise_hashes(space)
         total = len(hashes)
         factor: float = self.params["storeHitFactor"]
         ctx.precise_hashes = total
@@ -55,16 +65,38 @@ class PrecisePrefixCacheScorer(Scorer):
         if not total:
             zeros = [0] * len(cands)
             ctx.precise_local, ctx.precise_reach = zeros, zeros
+            ctx.compute_tokens = None
             return [0.0] * len(cands)
         local, reach = self.deps.precise.match(cands.keys, scope, hashes)
         ctx.precise_local, ctx.precise_reach = local, reach
-        return [
-            (held + factor * (both - held)) / total for held, both in zip(local, reach, strict=True)
-        ]
+        if not ctx.ttft_unit:
+            return [
+                (held + factor * (both - held)) / total
+                for held, both in zip(local, reach, strict=True)
+            ]
+        size = float(space.block_size if space is not None else self.deps.hasher.space.block_size)
+        if factor == 0:
+            reach = local  # the engines cannot read the store: no pool credit at all
+        return ctx.prefix_scores(
+            float(ctx.prompt.token_count()), [n * size for n in local], [n * size for n in reach]
+        )
 
     def scale_s(self, ctx: PickContext, cands: Candidates) -> float:
-        return ctx.prompt.token_count() * ctx.cost.prefill_s_per_token
+        return approximate_scale_s(ctx)
 
     def picked(self, ctx: PickContext, cands: Candidates, index: int) -> None:
         if self._fallen_back(ctx):
-            record_approximate(ctx, cands, index, self.deps.approx)
+            record_approximate(ctx, cands, index, self.deps)
+            return
+        costs = ctx.server_costs
+        if not costs.pool.enabled:
+            return
+        space = self.deps.precise.space(costs.scope)
+        hashes = ctx.prompt.precise_hashes(space)
+        if hashes:
+            size = space.block_size if space is not None else self.deps.hasher.space.block_size
+            precise, scope = self.deps.precise, costs.scope
+            blocks = costs.pool.capacity_blocks(size)
+            self.deps.pending.defer(
+                ctx.ready_at, lambda: precise.record_pool(scope, hashes, blocks)
+            )

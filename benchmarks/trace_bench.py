@@ -1,0 +1,430 @@
+"""Replay a Mooncake trace through each router on fresh simulated PD pods (`--phases trace`).
+
+    python -m benchmarks --phases trace [--trace PATH] [--trace-window 400] ...
+    python -m benchmarks.trace_bench --trace PATH --out DIR     # this phase alone
+
+Per router (pdgate's `local`, `global`, `global-precise` policies; vLLM Router
+`cache_aware` and `round_robin`): a fresh Mooncake master and G PD groups whose prefill
+engines read prefix blocks from the Mooncake Store (`--store-prefix-cache`), serve one
+prefill at a time (`--max-num-seqs 1`, compute-bound) and hold `capacity_share` of the
+window's distinct prompt tokens in their own KV cache. KV moves at the simulator's MLA
+bytes per token over 12.5 GB/s; the store carries 64-byte proofs per block.
+
+The prefill cost per token is derived from the window so that the prefill pods would be
+`busy` (default 80%) without any cache: busy x G x window duration / prompt tokens. Every
+pdgate policy is told that cost as its seed (`costModel.prefillSecondsPerToken`) and
+calibrates from there; the ModelServer is annotated `pdgate.io/kv-pool: mooncake-store`
+(the `local` policy turns the pool view off).
+
+TTFT SLO (stated in the report): the prefill time of the window's 90th-percentile prompt,
+uncached, on an idle pod. Hit rates are the engines' own counters
+(`vllm:prefix_cache_*`: local; `vllm:external_prefix_cache_*`: read from the store) over
+the prefill pods, against the window's best possible (`trace.best_hit_rate`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+from benchmarks.cluster import MODEL, ClusterShape, PodSpec, SimCluster
+from benchmarks.loadgen import LoadLimits, run_at
+from benchmarks.procs import StartupError
+from benchmarks.routers import RouterSpec, RunningRouter
+from benchmarks.specs import RequestSpec
+from benchmarks.trace import DEFAULT_TRACE, TraceOptions, TraceWindow, trace_window
+from engine_sim.prompts import DEFAULT_CHAT_TEMPLATE, DEFAULT_TOKENIZER
+from router.tokenization import CHAT_TEMPLATE_ANNOTATION, TOKENIZER_ANNOTATION
+
+log = logging.getLogger("benchmarks.trace")
+
+#: The ModelServer's annotations: its prefill pods write every block to the Mooncake
+#: Store (the pool view), and the engines' tokenizer and chat template (precise index).
+POOL_ANNOTATIONS: Final = {
+    "pdgate.io/kv-pool": "mooncake-store",
+    TOKENIZER_ANNOTATION: DEFAULT_TOKENIZER,
+    CHAT_TEMPLATE_ANNOTATION: str(DEFAULT_CHAT_TEMPLATE),
+}
+PREFILL_OVERHEAD_MS: Final = 5.0  # the simulator's default --prefill-overhead-ms
+_HEADER: Final = "apiVersion: pdgate.io/v1alpha1\nkind: SchedulerConfig\n"
+#: Queue time: the prefill seconds this router has queued on each pod (Conductor's
+#: estimate), plus the engine's own waiting queue (weighted half: it counts ours too).
+_LOAD: Final = ("      - {type: prefill-backlog, weight: 1.0}\n"
+                "      - {type: queue, weight: 0.5, threshold: 32}\n")
+
+
+def _policy(prefix: str, pool: bool, precise: bool) -> str:
+    body = (f"profiles:\n  prefill:\n    unit: ttft\n    scorers:\n"
+            f"      - {{type: {prefix}, weight: 1.0}}\n{_LOAD}")
+    body += f"poolView: {{enabled: {'true' if pool else 'false'}}}\n"
+    if precise:
+        body += "preciseIndex: {enabled: true}\n"
+    return body
+
+
+#: pdgate's policies on a trace: name -> scheduler YAML body (the cost model is appended).
+TRACE_POLICIES: Final[dict[str, str]] = {
+    "local": _policy("prefix-cache", pool=False, precise=False),
+    "global": _policy("prefix-cache", pool=True, precise=False),
+    "global-precise": _policy("precise-prefix-cache", pool=True, precise=True),
+    # `global` with Conductor's early rejection: a request whose best predicted TTFT is
+    # beyond the window's SLO is answered 429 at once (counted as outside the SLO).
+    "global-slo": _policy("prefix-cache", pool=True, precise=False),
+}
+PEERS: Final = ("cache_aware", "round_robin")
+
+
+@dataclass(frozen=True, slots=True)
+class TraceBenchConfig:
+    groups: int = 4
+    busy: float = 0.8
+    capacity_share: float = 0.15
+    request_timeout: float = 180.0
+    policies: tuple[str, ...] = tuple(TRACE_POLICIES)
+    peers: tuple[str, ...] = PEERS
+
+
+@dataclass(slots=True)
+class TraceRun:
+    trace: str
+    router: str
+    requests: int
+    ok: int
+    ttfts: list[float]
+    slo_s: float
+    local_hit: float
+    store_hit: float
+    best_hit: float
+    router_cpu_s: float | None
+    peak_rss: int | None
+    wall_s: float
+    load_before: float
+    load_after: float
+    prediction: dict[str, float] = field(default_factory=dict)
+
+    def quantile(self, q: float) -> float:
+        values = sorted(self.ttfts)
+        if not values:
+            return float("nan")
+        return values[min(len(values) - 1, int(q * len(values)))]
+
+    @property
+    def mean(self) -> float:
+        return sum(self.ttfts) / len(self.ttfts) if self.ttfts else float("nan")
+
+    @property
+    def within_slo(self) -> float:
+        return sum(1 for t in self.ttfts if t <= self.slo_s) / max(1, self.requests)
+
+
+def _counters(pod: PodSpec) -> dict[str, float]:
+    with urllib.request.urlopen(f"{pod.base_url}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line:
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0].removesuffix("_total")
+        if "prefix_cache_" in name:
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _engine_hits(pods: list[PodSpec]) -> dict[str, float]:
+    total: dict[str, float] = {}
+    for pod in pods:
+        for key, value in _counters(pod).items():
+            total[key] = total.get(key, 0.0) + value
+    return total
+
+
+def _router_prediction(base_url: str) -> dict[str, float]:
+    """The TTFT model's figures from pdgate's /metrics (empty for other routers)."""
+    try:
+        with urllib.request.urlopen(f"{base_url}/metrics", timeout=5) as response:
+            text = response.read().decode()
+    except OSError:
+        return {}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("pdgate_scheduler_prefill_fit{"):
+            term = line.split('term="', 1)[1].split('"', 1)[0]
+            out[f"fit_{term}"] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("pdgate_scheduler_prefill_prediction_error_seconds_sum"):
+            out["abs_error_sum"] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("pdgate_scheduler_prefill_prediction_error_seconds_count"):
+            out["abs_error_count"] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def shape_for(window: TraceWindow, config: TraceBenchConfig) -> tuple[ClusterShape, float]:
+    """The pods for a window, and the derived prefill cost (ms per token)."""
+    duration = max(1.0, window.duration_s)
+    per_token_s = config.busy * config.groups * duration / max(1, window.prompt_tokens)
+    capacity = max(256, int(config.capacity_share * window.unique_tokens() / 16))
+    common = ("--prefill-per-token-ms", f"{per_token_s * 1e3:.6g}", "--itl-ms", "5",
+              "--kv-block-bytes", "64", "--max-model-len", "262144", "--max-waiting", "4096",
+              "--kv-capacity-blocks", "65536")
+    prefill = ("--store-prefix-cache", "--max-num-seqs", "1",
+               "--kv-capacity-blocks", str(capacity))
+    return ClusterShape("pd", config.groups, sim_flags=common, prefill_flags=prefill), (
+        per_token_s * 1e3
+    )
+
+
+def specs_for(
+    config: TraceBenchConfig, per_token_ms: float, slo_s: float
+) -> list[RouterSpec]:
+    cost = (f"costModel:\n  prefillSecondsPerToken: {per_token_ms / 1e3:.6g}\n"
+            f"  prefillOverhead: {PREFILL_OVERHEAD_MS / 1e3:g}\n")
+    gate = (f"sloAdmission: {{enabled: true, ttftTarget: {slo_s * 1e3:.0f}ms, "
+            f"action: reject}}\n")
+    out = [RouterSpec("pdgate", name, _HEADER + TRACE_POLICIES[name] + cost
+                      + (gate if name.endswith("-slo") else ""))
+           for name in config.policies]
+    out += [RouterSpec("vllm-router", peer) for peer in config.peers]
+    return out
+
+
+async def replay(
+    window: TraceWindow, config: TraceBenchConfig, work_dir: Path
+) -> tuple[list[TraceRun], dict[str, Any]]:
+    shape, per_token_ms = shape_for(window, config)
+    slo_s = (PREFILL_OVERHEAD_MS + window.input_quantile(0.9) * per_token_ms) / 1e3
+    setup = {
+        "trace": window.name, "requests": len(window.requests),
+        "start": window.options.start, "duration_s": round(window.duration_s, 1),
+        "time_scale": window.options.time_scale, "token_scale": window.options.token_scale,
+        "prompt_tokens": window.prompt_tokens, "best_hit_rate": window.best_hit_rate,
+        "prefill_ms_per_token": per_token_ms, "slo_s": slo_s, "groups": config.groups,
+        "sim_flags": " ".join(shape.sim_flags), "prefill_flags": " ".join(shape.prefill_flags),
+    }  # fmt: skip
+    runs: list[TraceRun] = []
+    sessions = [(spec,) for spec in window.specs]
+    limits = LoadLimits(time_limit=window.duration_s + 1.0,
+                        request_timeout=config.request_timeout)
+    skipped: list[str] = []
+    setup["skipped"] = skipped
+    for spec in specs_for(config, per_token_ms, slo_s):
+        try:
+            run = await _one_router(spec, window, shape, sessions, limits, slo_s, work_dir)
+        except (StartupError, OSError) as exc:  # one router failing: go on with the next
+            first = str(exc).splitlines()[0] if str(exc) else repr(exc)
+            skipped.append(f"{spec.name}: {first}")
+            log.error("trace %s: %s failed: %s", window.name, spec.name, first)
+            continue
+        runs.append(run)
+        log.warning("  p50 %.2f p90 %.2f s, hit %.1f%% + %.1f%% (best %.1f%%), ok %d/%d",
+                    run.quantile(0.5), run.quantile(0.9), 100 * run.local_hit,
+                    100 * run.store_hit, 100 * run.best_hit, run.ok, run.requests)
+    return runs, setup
+
+
+async def _one_router(
+    spec: RouterSpec,
+    window: TraceWindow,
+    shape: ClusterShape,
+    sessions: list[tuple[RequestSpec]],
+    limits: LoadLimits,
+    slo_s: float,
+    work_dir: Path,
+) -> TraceRun:
+    cluster = SimCluster(shape, work_dir / "logs", server_annotations=dict(POOL_ANNOTATIONS))
+    try:
+        cluster.start()
+        with RunningRouter(spec, cluster, work_dir) as router:
+            log.warning("trace %s: %s", window.name, spec.name)
+            before = _engine_hits(cluster.prefill)
+            cpu0 = router.cpu_seconds()
+            load0 = os.getloadavg()[0]
+            began = time.monotonic()
+            load = await run_at(router.target, sessions, window.offsets, limits)
+            wall = time.monotonic() - began
+            cpu1 = router.cpu_seconds()
+            after = _engine_hits(cluster.prefill)
+            prediction = (
+                _router_prediction(router.target.base_url)  # type: ignore[attr-defined]
+                if spec.kind == "pdgate" else {}
+            )
+            load1 = os.getloadavg()[0]
+    finally:
+        cluster.stop()
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    queries = delta.get("vllm:prefix_cache_queries", 0.0)
+    return TraceRun(
+        trace=window.name, router=spec.name, requests=len(sessions),
+        ok=sum(1 for r in load.results if r.ok),
+        ttfts=[r.ttft for r in load.results if r.ok and r.ttft is not None],
+        slo_s=slo_s,
+        local_hit=delta.get("vllm:prefix_cache_hits", 0.0) / queries if queries else 0.0,
+        store_hit=(delta.get("vllm:external_prefix_cache_hits", 0.0) / queries
+                   if queries else 0.0),
+        best_hit=window.best_hit_rate,
+        router_cpu_s=None if cpu0 is None or cpu1 is None else cpu1 - cpu0,
+        peak_rss=router.peak_rss, wall_s=wall, load_before=load0, load_after=load1,
+        prediction=prediction,
+    )  # fmt: skip
+
+
+def _fmt_mb(value: int | None) -> str:
+    return "-" if value is None else f"{value / 2**20:.0f}"
+
+
+def render(results: list[tuple[dict[str, Any], list[TraceRun]]]) -> str:
+    lines = ["# Mooncake trace replay", ""]
+    for setup, runs in results:
+        lines += [
+            f"## {setup['trace']}: requests {setup['start']}..{setup['start'] + setup['requests']}"
+            f" ({setup['duration_s']} s at time scale {setup['time_scale']}, token scale "
+            f"{setup['token_scale']})", "",
+            f"{setup['groups']} PD groups; prefill {setup['prefill_ms_per_token']:.4f} ms a "
+            f"token (80% busy without cache); TTFT SLO {setup['slo_s']:.2f} s (uncached "
+            f"prefill of the window's p90 prompt on an idle pod); best possible hit "
+            f"{100 * setup['best_hit_rate']:.1f}%. Engines: `{setup['sim_flags']}`, prefill "
+            f"`{setup['prefill_flags']}`.", "",
+            "| router | TTFT mean | p50 | p90 | p99 (s) | within SLO | hit local + store "
+            "| of best | router CPU (s) | peak RSS (MB) | ok | load avg |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for r in runs:
+            hit = r.local_hit + r.store_hit
+            lines.append(
+                f"| {r.router} | {r.mean:.2f} | {r.quantile(0.5):.2f} | {r.quantile(0.9):.2f} "
+                f"| {r.quantile(0.99):.2f} | {100 * r.within_slo:.1f}% "
+                f"| {100 * r.local_hit:.1f}% + {100 * r.store_hit:.1f}% "
+                f"| {100 * hit / r.best_hit if r.best_hit else 0:.0f}% "
+                f"| {'-' if r.router_cpu_s is None else f'{r.router_cpu_s:.1f}'} "
+                f"| {_fmt_mb(r.peak_rss)} | {r.ok}/{r.requests} "
+                f"| {r.load_before:.1f}->{r.load_after:.1f} |"
+            )
+        lines.append("")
+        for skipped in setup.get("skipped", []):
+            lines.append(f"Skipped: {skipped}")
+        preds = [r for r in runs if r.prediction]
+        if preds:
+            lines += ["Prefill-phase prediction (pdgate's calibrated model): ", "",
+                      "| policy | fit a (s) | b (ms/token) | c | samples | mean abs error (s) "
+                      "| mean relative error |", "| --- | --- | --- | --- | --- | --- | --- |"]
+            for r in preds:
+                p = r.prediction
+                count = p.get("abs_error_count", 0.0)
+                mean_abs = p.get("abs_error_sum", 0.0) / count if count else float("nan")
+                lines.append(
+                    f"| {r.router} | {p.get('fit_a', float('nan')):.3f} "
+                    f"| {1e3 * p.get('fit_b', float('nan')):.4f} | {p.get('fit_c', 0):.2e} "
+                    f"| {p.get('fit_samples', 0):.0f} | {mean_abs:.3f} "
+                    f"| {100 * p.get('fit_error_ratio', float('nan')):.0f}% |"
+                )
+            lines.append("")
+    return "\n".join(lines)
+
+
+def plot(results: list[tuple[dict[str, Any], list[TraceRun]]], out: Path) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    drawn: list[str] = []
+    for setup, runs in results:
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+        for r in runs:
+            values = sorted(r.ttfts)
+            if values:
+                ax1.plot(values, [(i + 1) / r.requests for i in range(len(values))],
+                         label=r.router)
+        ax1.axvline(setup["slo_s"], color="grey", linestyle="--", label="SLO")
+        ax1.set_xscale("log")
+        ax1.set_xlabel("TTFT (s)")
+        ax1.set_ylabel("share of requests")
+        ax1.legend(fontsize=7)
+        names = [r.router for r in runs]
+        ax2.bar(names, [100 * r.local_hit for r in runs], label="local")
+        ax2.bar(names, [100 * r.store_hit for r in runs],
+                bottom=[100 * r.local_hit for r in runs], label="from store")
+        ax2.axhline(100 * setup["best_hit_rate"], color="grey", linestyle="--", label="best")
+        ax2.set_ylabel("prefix hit rate (%)")
+        ax2.tick_params(axis="x", labelrotation=30, labelsize=7)
+        ax2.legend(fontsize=7)
+        fig.suptitle(f"{setup['trace']} ({setup['requests']} requests)")
+        fig.tight_layout()
+        name = f"trace_{setup['trace']}.png"
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        drawn.append(name)
+    return drawn
+
+
+async def run_traces(
+    paths: list[Path], options: TraceOptions, config: TraceBenchConfig, out: Path, seed: int = 0
+) -> list[tuple[dict[str, Any], list[TraceRun]]]:
+    results = []
+    for path in paths:
+        window = trace_window(path, options, MODEL, seed)
+        runs, setup = await replay(window, config, out / "raw")
+        results.append((setup, runs))
+        (out / "trace.md").write_text(render(results))  # after each trace: nothing lost
+    (out / "trace.md").write_text(render(results))
+    (out / "trace.json").write_text(json.dumps(
+        [{"setup": s, "runs": [asdict(r) for r in runs]} for s, runs in results], indent=1))
+    plot(results, out)
+    return results
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--trace", type=Path, action="append",
+        help=f"a Mooncake trace file (repeatable; default {DEFAULT_TRACE} when present)")
+    add("--trace-start", type=int, default=0, help="first request of the window")
+    add("--trace-window", type=int, default=800, help="requests replayed")
+    add("--trace-time-scale", type=float, default=0.4,
+        help="x the gaps (0.4: 2.5 times the rate, engines 2.5 times faster)")
+    add("--trace-token-scale", type=float, default=0.25, help="x every length (0.25: 128-token "
+        "blocks)")
+    add("--trace-max-output", type=int, default=16, help="cap on output tokens")
+    add("--trace-groups", type=int, default=4, help="PD groups")
+    add("--trace-policies", default=",".join(TRACE_POLICIES), help="pdgate policies")
+    add("--trace-peers", default=",".join(PEERS), help="vLLM Router policies")
+
+
+def options_of(args: argparse.Namespace) -> tuple[list[Path], TraceOptions, TraceBenchConfig]:
+    paths = args.trace or ([DEFAULT_TRACE] if DEFAULT_TRACE.exists() else [])
+    options = TraceOptions(args.trace_start, args.trace_window, args.trace_time_scale,
+                           args.trace_token_scale, args.trace_max_output)
+    policies = tuple(p for p in args.trace_policies.split(",") if p)
+    unknown = [p for p in policies if p not in TRACE_POLICIES]
+    if unknown:
+        raise SystemExit(f"unknown trace policies {unknown} (known: {list(TRACE_POLICIES)})")
+    config = TraceBenchConfig(groups=args.trace_groups, policies=policies,
+                              peers=tuple(p for p in args.trace_peers.split(",") if p))
+    return paths, options, config
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    logging.basicConfig(level="WARNING", format="%(levelname)s %(name)s: %(message)s")
+    paths, options, config = options_of(args)
+    if not paths:
+        raise SystemExit("no trace: pass --trace PATH")
+    args.out.mkdir(parents=True, exist_ok=True)
+    asyncio.run(run_traces(paths, options, config, args.out, args.seed))
+    print((args.out / "trace.md").read_text())
+
+
+if __name__ == "__main__":
+    main()

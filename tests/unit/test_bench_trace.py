@@ -1,0 +1,142 @@
+"""The Mooncake trace workload: loading, bucket spreading, exact text blocks, the window's
+best hit rate, and the open-loop replay at the trace's times (on a tiny trace written here)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import orjson
+import pytest
+from aiohttp import web
+
+from benchmarks.loadgen import LoadLimits, run_at
+from benchmarks.targets import HTTPTarget
+from benchmarks.trace import (
+    BlockTexts,
+    TraceError,
+    TraceOptions,
+    arrivals,
+    best_hit_rate,
+    load_trace,
+    spread_buckets,
+    trace_window,
+)
+from benchmarks.words import sim_tokenizer
+
+RECORDS = [  # two conversations: ids 1,2 then 1,2,3 (a prefix hit of 2 blocks), and 7
+    {"timestamp": 0, "input_length": 1000, "output_length": 40, "hash_ids": [1, 2]},
+    {"timestamp": 0, "input_length": 300, "output_length": 10, "hash_ids": [7]},
+    {"timestamp": 3000, "input_length": 1400, "output_length": 99, "hash_ids": [1, 2, 3]},
+    {"timestamp": 6000, "input_length": 512, "output_length": 5, "hash_ids": [9]},
+]
+
+
+def _write(tmp_path: Path, records: list[dict[str, object]]) -> Path:
+    path = tmp_path / "tiny_trace.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n\n")
+    return path
+
+
+def test_load_a_window(tmp_path: Path) -> None:
+    path = _write(tmp_path, RECORDS)
+    assert [r.hash_ids for r in load_trace(path)] == [(1, 2), (7,), (1, 2, 3), (9,)]
+    window = load_trace(path, start=1, window=2)
+    assert [r.input_length for r in window] == [300, 1400]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0, "input_length": 5}\n')
+    with pytest.raises(TraceError, match=r"bad\.jsonl:1"):
+        load_trace(bad)
+
+
+def test_buckets_are_spread_to_the_next_timestamp() -> None:
+    assert spread_buckets([0.0, 0.0, 0.0, 3.0, 6.0]) == [0.0, 1.0, 2.0, 3.0, 6.0]
+    assert spread_buckets([0.0, 3.0, 3.0]) == [0.0, 3.0, 4.5]  # last bucket: the mean gap
+    assert spread_buckets([]) == []
+
+
+def test_arrivals_are_relative_scaled_and_spread(tmp_path: Path) -> None:
+    requests = load_trace(_write(tmp_path, RECORDS), start=2)
+    assert arrivals(requests, 0.5) == [0.0, 1.5]
+    assert arrivals(load_trace(_write(tmp_path, RECORDS)), 1.0) == [0.0, 1.5, 3.0, 6.0]
+
+
+def test_blocks_are_exact_deterministic_and_prefix_consistent() -> None:
+    texts = BlockTexts(128, seed=0)
+    full = texts.prompt([1, 2, 3], 3 * 128)
+    longer = BlockTexts(128, seed=0).prompt([1, 2, 3, 4], 4 * 128)
+    assert longer.startswith(full + " ")  # equal ids, equal text: a reusable prefix
+    assert texts.prompt([1, 2], 200) == full[: len(" abc") * 200]  # a cut last block
+    assert texts.prompt([5], 128) != texts.prompt([6], 128)
+    tokenizer = sim_tokenizer()
+    ids = tokenizer.request_ids("completion", {"prompt": full})[0]
+    bos = len(tokenizer.request_ids("completion", {"prompt": " abc"})[0]) - 1
+    assert len(ids) - bos == 3 * 128  # every word one token: blocks are exact
+
+
+def test_best_hit_rate_counts_leading_blocks_seen_before(tmp_path: Path) -> None:
+    requests = load_trace(_write(tmp_path, RECORDS))
+    # Only the third request hits: its first two blocks (2 x 512 tokens) of 1400.
+    assert best_hit_rate(requests, TraceOptions()) == pytest.approx(1024 / (1000 + 300 + 1400
+                                                                            + 512))
+    # Token scale 0.25: blocks of 128 tokens, lengths scaled alike.
+    assert best_hit_rate(requests, TraceOptions(token_scale=0.25)) == pytest.approx(
+        256 / (250 + 75 + 350 + 128)
+    )
+
+
+def test_trace_window_builds_one_request_per_record(tmp_path: Path) -> None:
+    window = trace_window(_write(tmp_path, RECORDS),
+                          TraceOptions(token_scale=0.25, max_output_tokens=16), "m")
+    bodies = [orjson.loads(spec.body) for spec in window.specs]
+    assert [b["max_tokens"] for b in bodies] == [16, 10, 16, 5]
+    words = [len(b["messages"][0]["content"].split()) for b in bodies]
+    assert words == [250, 75, 350, 128]
+    assert window.unique_tokens() == 5 * 128 and window.duration_s == 6.0
+
+
+ARRIVED = web.AppKey("arrived", list[float])
+
+
+async def _answer(request: web.Request) -> web.StreamResponse:
+    arrived = request.app[ARRIVED]
+    arrived.append(time.perf_counter())
+    await request.read()
+    response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+    await response.prepare(request)
+    await response.write(b'data: {"choices": [{"index": 0, "delta": {"content": "x"}}]}\n\n')
+    await response.write(b"data: [DONE]\n\n")
+    return response
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[tuple[str, list[float]]]:
+    app = web.Application()
+    app[ARRIVED] = []
+    app.router.add_post("/v1/chat/completions", _answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        yield f"http://127.0.0.1:{port}", app[ARRIVED]
+    finally:
+        await runner.cleanup()
+
+
+async def test_replay_is_open_loop_at_the_trace_times(
+    server: tuple[str, list[float]], tmp_path: Path
+) -> None:
+    base, arrived = server
+    window = trace_window(_write(tmp_path, RECORDS), TraceOptions(time_scale=0.05,
+                                                                  token_scale=0.05), "m")
+    began = time.perf_counter()
+    load = await run_at(HTTPTarget("t", base), [(s,) for s in window.specs], window.offsets,
+                        LoadLimits(10.0, 5.0))
+    assert [r.ok for r in load.results] == [True] * 4
+    offsets = sorted(t - began for t in arrived)
+    for got, want in zip(offsets, window.offsets, strict=True):  # 0, 0.075, 0.15, 0.3 s
+        assert want - 0.01 <= got <= want + 0.1

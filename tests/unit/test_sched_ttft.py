@@ -1,0 +1,312 @@
+"""The calibrated prefill curve, the dispatch-fed KV pool view and the TTFT-SLO gate."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from router.errors import APIError
+from router.load import InFlight
+from router.resources import ModelServer, ObjectMeta, PDGroup
+from router.scheduling import ScheduleRequest
+from router.scheduling.config import SchedulerConfig, parse_scheduler_config
+from router.scheduling.pool_view import (
+    MAX_PENDING,
+    MAX_POOL_BLOCKS,
+    POOL_ANNOTATION,
+    POOL_CAPACITY_ANNOTATION,
+    PendingWrites,
+    PoolView,
+    pool_settings,
+)
+from router.scheduling.precise_index import PrecisePrefixIndex
+from router.scheduling.runtime import SchedulerRuntime
+from router.scheduling.ttft_model import Coefficients, FitSettings, PrefillFit, robust_fit
+from router.view import ClusterView, Endpoint, PDGroupPods, ServerPods
+
+CHAT = "/v1/chat/completions"
+
+
+# -- the fit -----------------------------------------------------------------------------------
+
+
+def _curve_samples(
+    n: int, truth: Coefficients, noise: float, outliers: float, seed: int = 1
+) -> tuple[list[float], list[float]]:
+    rng = random.Random(seed)
+    xs, ys = [], []
+    for _ in range(n):
+        x = rng.uniform(0, 20_000)
+        y = truth(x) * (1 + rng.gauss(0, noise))
+        if rng.random() < outliers:
+            y *= rng.uniform(3, 8)  # a stalled request: far slower than its prefill
+        xs.append(x)
+        ys.append(y)
+    return xs, ys
+
+
+def test_robust_fit_recovers_a_quadratic_despite_outliers() -> None:
+    truth = Coefficients(0.02, 1e-4, 2e-9)
+    xs, ys = _curve_samples(256, truth, noise=0.03, outliers=0.1)
+    fit = robust_fit(xs, ys)
+    assert fit is not None
+    for x in (1_000, 8_000, 20_000):
+        assert fit(x) == pytest.approx(truth(x), rel=0.08)
+    plain = robust_fit(xs, ys, huber_k=1e9)  # no clipping: the outliers drag the curve up
+    assert plain is not None and plain(8_000) > 1.2 * truth(8_000)
+
+
+def test_robust_fit_keeps_coefficients_non_negative() -> None:
+    # Concave data (a saturating curve) would give c < 0: the fit drops that term.
+    xs = [float(x) for x in range(0, 10_000, 250)]
+    ys = [0.01 + 2e-4 * x - 1e-8 * x * x for x in xs]
+    fit = robust_fit(xs, ys)
+    assert fit is not None and fit.a >= 0 and fit.b >= 0 and fit.c == 0
+    assert robust_fit([1.0, 1.0, 1.0], [1.0, 2.0, 3.0]) is None  # fewer than 3 distinct x
+
+
+def test_prefill_fit_keeps_the_seed_until_enough_samples_then_calibrates() -> None:
+    seed = Coefficients(0.005, 1e-4)
+    fit = PrefillFit(seed, FitSettings(window=64, min_samples=16, refit_every=4))
+    truth = Coefficients(0.05, 3e-4, 0.0)  # the engines are 3x slower than configured
+    xs, ys = _curve_samples(64, truth, noise=0.02, outliers=0.0, seed=2)
+    for x, y in zip(xs[:10], ys[:10], strict=True):
+        fit.add_sample(x, y)
+    assert fit.coefficients == seed
+    for x, y in zip(xs[10:], ys[10:], strict=True):
+        fit.add_sample(x, y)
+    assert fit.refits > 0
+    assert fit.predict(10_000) == pytest.approx(truth(10_000), rel=0.05)
+    # A window of absurd measurements (x1000) is beyond maxRatio of the seed: ignored.
+    broken = PrefillFit(seed, FitSettings(window=64, min_samples=16, refit_every=4))
+    for x in xs:
+        broken.add_sample(x, truth(x) * 1000)
+    assert broken.coefficients == seed and broken.refits == 0
+
+
+def test_prefill_fit_tracks_its_prediction_error() -> None:
+    fit = PrefillFit(Coefficients(0.0, 1e-3), FitSettings(error_alpha=0.5))
+    fit.observe_error(1.0, 2.0)
+    assert fit.error_abs_s == pytest.approx(1.0) and fit.error_rel == pytest.approx(0.5)
+    fit.observe_error(2.0, 2.0)
+    assert fit.error_abs_s == pytest.approx(0.5) and fit.observe_error is not None
+
+
+# -- the pool view -----------------------------------------------------------------------------
+
+
+def test_pool_settings_from_annotations() -> None:
+    assert not pool_settings({}).enabled
+    on = pool_settings({POOL_ANNOTATION: "mooncake-store", POOL_CAPACITY_ANNOTATION: "4096"})
+    assert on.enabled and on.capacity_tokens == 4096
+    assert on.capacity_blocks(16) == 256
+    assert pool_settings({POOL_ANNOTATION: "none"}, enabled_default=True).enabled is False
+    assert pool_settings({POOL_CAPACITY_ANNOTATION: "lots"}).capacity_tokens > 0
+    huge = pool_settings({POOL_ANNOTATION: "mooncake-store",
+                          POOL_CAPACITY_ANNOTATION: str(10**15)})
+    assert huge.capacity_blocks(1) == MAX_POOL_BLOCKS
+
+
+def test_pool_view_is_a_bounded_lru_of_leading_blocks() -> None:
+    view = PoolView()
+    view.record("ns/a", [1, 2, 3], capacity_blocks=4)
+    assert view.depth("ns/a", [1, 2, 3, 4]) == 3
+    assert view.depth("ns/a", [2, 3]) == 2 and view.depth("ns/b", [1]) == 0
+    view.record("ns/a", [1], capacity_blocks=4)  # 1 is young again
+    view.record("ns/a", [7, 8], capacity_blocks=4)  # evicts 2 then 3 (oldest)
+    assert view.total_blocks == 4 and view.evictions == 1
+    assert view.depth("ns/a", [1, 2]) == 1 and view.depth("ns/a", [7, 8]) == 2
+    view.retain_scopes({"ns/b"})
+    assert view.total_blocks == 0
+
+
+def test_precise_pool_is_fed_by_dispatches_and_refined_by_store_events() -> None:
+    index = PrecisePrefixIndex(max_store_blocks=100)
+    index.record_pool("ns/s", [10, 11, 12], capacity_blocks=3)
+    assert index.match(["ns/p"], "ns/s", [10, 11, 12]) == ([0], [3])
+    index.removed("ns/p", "ns/s", [11], "MOONCAKE")  # the store said block 11 left
+    assert index.match(["ns/p"], "ns/s", [10, 11, 12]) == ([0], [1])
+    index.stored("ns/p", "ns/s", [11], "MOONCAKE")
+    index.record_pool("ns/s", [20], capacity_blocks=3)  # bound 3: the oldest (10) goes
+    assert index.store_blocks("ns/s") == {11, 12, 20}
+
+
+# -- through the pipeline -------------------------------------------------------------------
+
+
+def _server(annotations: dict[str, str]) -> ServerPods:
+    server = ModelServer(
+        meta=ObjectMeta(name="pd", annotations=annotations), model="m",
+        inference_engine="vLLM", match_labels={"app": "pd"},
+        pd_group=PDGroup("group", {"role": "prefill"}, {"role": "decode"}), port=8000,
+    )  # fmt: skip
+
+    def pod(name: str, role: str, group: str) -> Endpoint:
+        return Endpoint("default", name, "10.0.0.1", 8000, role, group)  # type: ignore[arg-type]
+
+    return ServerPods(server=server, groups=tuple(
+        PDGroupPods(group=g, prefill=(pod(f"{g}-p", "prefill", g),),
+                    decode=(pod(f"{g}-d", "decode", g),))
+        for g in ("g1", "g2")
+    ))  # fmt: skip
+
+
+def _request(words: int = 2000, seed: int = 0) -> ScheduleRequest:
+    rng = random.Random(seed)
+    text = " ".join(rng.choice(("alpha", "beta", "gamma", "delta")) for _ in range(words))
+    body: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": text}]}
+    return ScheduleRequest("m", CHAT, body, {})
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _runtime(
+    config: SchedulerConfig | None = None, clock: Clock | None = None
+) -> tuple[SchedulerRuntime, CollectorRegistry]:
+    registry = CollectorRegistry()
+    rt = SchedulerRuntime(config or SchedulerConfig(), InFlight(registry), ClusterView(),
+                          registry, rng=random.Random(0), clock=clock or Clock())
+    return rt, registry
+
+
+def test_pending_writes_apply_when_due_and_stay_bounded() -> None:
+    pending = PendingWrites()
+    done: list[int] = []
+    pending.defer(2.0, lambda: done.append(2))
+    pending.defer(1.0, lambda: done.append(1))  # out of order: due first
+    pending.flush(0.5)
+    assert done == [] and len(pending) == 2
+    pending.flush(1.5)
+    assert done == [1]
+    pending.flush(2.5)
+    assert done == [1, 2] and len(pending) == 0
+    for i in range(MAX_PENDING + 1):
+        pending.defer(99.0, lambda i=i: done.append(100 + i))  # type: ignore[misc]
+    assert len(pending) == MAX_PENDING and done[-1] == 100  # the oldest applied at once
+
+
+def test_a_declared_pool_is_known_from_dispatches_without_store_events() -> None:
+    clock = Clock()
+    rt, _ = _runtime(clock=clock)
+    server = _server({POOL_ANNOTATION: "mooncake-store"})
+    req = _request()
+    first = rt.scheduler.pick(server, req, frozenset())
+    assert first is not None and first.prefill is not None
+    # Not in the pool before its prefill is predicted to end (the store has nothing yet).
+    rt.scheduler.pick(_server({}), _request(seed=9), frozenset())
+    assert rt.pools.total_blocks == 0
+    clock.now += 5.0
+    rt.deps.pending.flush(clock.now)
+    assert rt.pools.total_blocks > 0  # the prompt is in the pool now
+    # The warm pod is busy: the other one can pull the prompt from the pool instead of
+    # recomputing it, so it wins, and the cost model says it computes nothing.
+    for _ in range(3):
+        rt.deps.inflight.acquire(first.prefill)
+    second = rt.scheduler.pick(server, _request(), frozenset())
+    assert second is not None and second.prefill is not None
+    assert second.prefill.key != first.prefill.key
+    # Without the annotation the other pod would recompute everything, so the queue wins.
+    rt2, _ = _runtime()
+    plain = _server({})
+    again = rt2.scheduler.pick(plain, req, frozenset())
+    assert again is not None and again.prefill is not None and rt2.pools.total_blocks == 0
+
+
+def test_measured_prefills_calibrate_the_servers_fit_and_are_exported() -> None:
+    config = parse_scheduler_config({"ttftModel": {"minSamples": 4, "refitEvery": 1}})
+    rt, registry = _runtime(config)
+    server = _server({})
+    truth = Coefficients(0.05, 3e-4)
+    for i in range(12):
+        pick = rt.scheduler.pick(server, _request(words=200 + 150 * i, seed=i), frozenset())
+        assert pick is not None and pick.on_prefill is not None
+        pick.on_prefill(truth(200 + 150 * i))
+    labels = {"server": "default/pd"}
+    samples = registry.get_sample_value("pdgate_scheduler_prefill_fit", {**labels,
+                                                                        "term": "samples"})
+    assert samples == 12
+    b = registry.get_sample_value("pdgate_scheduler_prefill_fit", {**labels, "term": "b"})
+    assert b is not None and b > 1.5e-4  # moved from the seed (1e-4) towards 3e-4
+    assert registry.get_sample_value(
+        "pdgate_scheduler_prefill_prediction_error_seconds_count") == 12
+
+
+# -- the SLO gate ------------------------------------------------------------------------------
+
+
+def _slo_runtime(action: str = "reject") -> tuple[SchedulerRuntime, CollectorRegistry]:
+    return _runtime(parse_scheduler_config({"sloAdmission": {
+        "enabled": True, "ttftTarget": "1s", "action": action, "maxQueueWait": "2s",
+        "queuePoll": "10ms",
+    }}))
+
+
+def _busy(rt: SchedulerRuntime, server: ServerPods, count: int) -> list[Endpoint]:
+    pods = [p for g in server.groups for p in g.prefill]
+    for p in pods:
+        for _ in range(count):
+            rt.deps.inflight.acquire(p)
+    return pods
+
+
+def test_slo_gate_rejects_with_retry_after_and_dispatches_nothing() -> None:
+    rt, registry = _slo_runtime()
+    server = _server({})
+    assert rt.scheduler.pick(server, _request(), frozenset()) is not None
+    _busy(rt, server, 200)  # 200 requests ahead on every prefill pod: far beyond 1 s
+    blocks = rt.approx.total_blocks
+    with pytest.raises(APIError) as caught:
+        rt.scheduler.pick(server, _request(seed=5), frozenset())
+    error = caught.value
+    assert error.status == 429 and error.code == "ttft_slo"
+    assert int(error.headers["retry-after"]) >= 1
+    assert rt.approx.total_blocks == blocks  # the refused request was not recorded
+    assert registry.get_sample_value(
+        "pdgate_scheduler_slo_admission_total", {"outcome": "rejected"}) == 1
+    assert registry.get_sample_value(
+        "pdgate_scheduler_slo_admission_total", {"outcome": "admitted"}) == 1
+    # A per-server annotation overrides the default target.
+    relaxed = _server({"pdgate.io/ttft-slo": "1h"})
+    _busy(rt, relaxed, 0)
+    assert rt.scheduler.pick(relaxed, _request(seed=5), frozenset()) is not None
+
+
+def test_slo_gate_is_off_by_default() -> None:
+    rt, _ = _runtime()
+    server = _server({"pdgate.io/ttft-slo": "1ms"})
+    _busy(rt, server, 200)
+    assert rt.scheduler.pick(server, _request(), frozenset()) is not None
+
+
+async def test_slo_queue_action_waits_until_the_prediction_fits() -> None:
+    rt, registry = _slo_runtime("queue")
+    server = _server({})
+    pods = _busy(rt, server, 200)
+    req = _request()
+
+    async def drain() -> None:
+        await asyncio.sleep(0.1)
+        for p in pods:
+            for _ in range(200):
+                rt.deps.inflight.release(p)
+
+    task = asyncio.create_task(drain())
+    began = time.monotonic()
+    await rt.scheduler.prepare(server, req)
+    waited = time.monotonic() - began
+    await task
+    assert 0.05 < waited < 2.0
+    assert rt.scheduler.pick(server, req, frozenset()) is not None
+    assert registry.get_sample_value(
+        "pdgate_scheduler_slo_admission_total", {"outcome": "queued"}) == 1

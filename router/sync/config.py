@@ -56,6 +56,10 @@ class SyncConfig:
     def ipc_address(self, worker: int) -> str:
         return f"ipc://{self.run_dir}/pdgate-sync-{self.host_id}-{worker}.ipc"
 
+    def metrics_address(self, worker: int) -> str:
+        """Unix socket path on which a worker serves its own `/metrics` to its siblings."""
+        return f"{self.run_dir}/pdgate-metrics-{self.host_id}-{worker}.sock"
+
     def validate(self) -> None:
         if self.workers < 1 or not 0 <= self.worker < self.workers:
             raise ValueError(f"worker {self.worker} of {self.workers}: out of range")

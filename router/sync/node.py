@@ -166,7 +166,8 @@ class SyncNode:
             self._seq += 1
             frame = m.encode(self.origin, self.config.host_id, self._seq, batch)
             self._send(self._local_pub, frame, len(batch))
-            self._send(self._peer_pub, frame, 0)
+            # Counted once: by the local socket when there is one (a lone replica has none).
+            self._send(self._peer_pub, frame, 0 if self._local_pub is not None else len(batch))
         if self._pending_host:
             batch, self._pending_host = self._pending_host, []
             frame = m.encode(self.origin, self.config.host_id, UNSEQUENCED, batch)

@@ -95,13 +95,18 @@ def new_host_id() -> str:
 
 
 def reuseport_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket with SO_REUSEPORT, for uvicorn's `serve(sockets=...)`."""
+    """A bound TCP socket with SO_REUSEPORT, for uvicorn's `serve(sockets=...)`.
+
+    Bound, not listening: uvicorn listens on it once the app's start-up is complete (a
+    worker's start-up waits for its view and tokenizers, `AppState._warm_up`), and only a
+    listening socket gets connections from the kernel. Listening here, the kernel queued
+    connections on a worker that was still starting, for seconds.
+    """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
-    sock.listen(2048)
     sock.set_inheritable(False)
     return sock
 

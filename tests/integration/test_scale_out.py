@@ -3,14 +3,15 @@
 Real processes over loopback: a Mooncake master, two simulated PD groups, routers started
 as `python -m router serve`. In-flight counts are checked against the truth the client
 knows (which decode pod each open stream went to, from `x-pdgate-decode-pod`), in every
-router process's own `/metrics` (`pdgate_sync_seen_inflight_requests`, per origin). A
-worker is reached by opening fresh connections until SO_REUSEPORT has handed one to it.
+router process's own view (`pdgate_sync_seen_inflight_requests`, per origin): one scrape of
+a `--workers 2` router holds both workers' samples, labelled `worker`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import signal
 import sys
 import time
@@ -44,8 +45,11 @@ STREAM_TOKENS = 150
 ITL_MS = 20
 #: The sync TTL the routers run with (seconds); a lost peer is dropped within TTL + one tick.
 TTL_S = 1.0
-#: Fresh connections tried to reach every worker of a router (SO_REUSEPORT hashes them).
-MAX_PROBES = 200
+#: Requests and scrapes of the one-exposition test.
+REQUESTS = 40
+SCRAPES = 6
+#: The label a `--workers N` exposition puts first on every sample (`{worker="1",...`).
+WORKER_LABEL = re.compile(r'(?<=\{)worker="(\d+)",?')
 
 
 def _specs() -> list[SimPodSpec]:
@@ -93,20 +97,35 @@ def _metrics_once(url: str) -> str:
         return str(response.read().decode())
 
 
+def split_workers(text: str) -> dict[str, str]:
+    """worker index -> its samples, label removed ({"": text} for a single process).
+
+    With `--workers N` one scrape holds every worker's samples, each labelled
+    `worker="i"` (router/sync/exposition.py).
+    """
+    out: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        match = WORKER_LABEL.search(line)
+        if match is None:
+            continue
+        line = WORKER_LABEL.sub("", line, count=1)
+        out.setdefault(match.group(1), []).append(line.replace("{} ", " ", 1))
+    return {w: "\n".join(lines) for w, lines in out.items()} or {"": text}
+
+
 def _origin(text: str) -> str:
     [(labels, _)] = metric_values(text, "pdgate_sync_info")
     return labels.split('"')[1]
 
 
 def per_process_metrics(urls: list[str], processes: int) -> dict[str, str]:
-    """origin -> its /metrics, once every one of `processes` origins has answered."""
+    """origin -> its samples: one scrape per URL covers every process behind it."""
     seen: dict[str, str] = {}
-    for attempt in range(MAX_PROBES):
-        text = _metrics_once(urls[attempt % len(urls)])
-        seen[_origin(text)] = text
-        if len(seen) == processes:
-            return seen
-    raise AssertionError(f"only {sorted(seen)} of {processes} router processes answered")
+    for url in urls:
+        for text in split_workers(_metrics_once(url)).values():
+            seen[_origin(text)] = text
+    assert len(seen) == processes, f"{sorted(seen)}: not the {processes} router processes"
+    return seen
 
 
 def seen_inflight(text: str) -> dict[str, float]:
@@ -117,7 +136,12 @@ def seen_inflight(text: str) -> dict[str, float]:
 async def wait_ready(urls: list[str], processes: int) -> None:
     deadline = time.monotonic() + 30
     while True:
-        views = await asyncio.to_thread(per_process_metrics, urls, processes)
+        try:
+            views = await asyncio.to_thread(per_process_metrics, urls, processes)
+        except (AssertionError, OSError):  # a worker still starting: not in the scrape yet
+            assert time.monotonic() < deadline, "the router processes did not all start"
+            await asyncio.sleep(0.2)
+            continue
         ready = [metric_values(t, "pdgate_ready") == [("", 1.0)] for t in views.values()]
         live = [sum(v for lb, v in metric_values(t, "pdgate_peers") if "live" in lb)
                 for t in views.values()]
@@ -199,6 +223,44 @@ async def test_two_workers_share_inflight_counts(pods: SimCluster) -> None:
         await assert_all_zero([url], 2)
     finally:
         assert router.stop() == 0, router.log()[-3000:]
+
+
+async def test_one_scrape_covers_every_worker(pods: SimCluster) -> None:
+    """`/metrics` of `--workers 2` holds both workers' counters, whichever worker answers."""
+    port = free_port()
+    router = _router(pods, "workers-metrics", port, ["--workers", "2"])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        await wait_ready([url], 2)
+        before = served(_metrics_once(url))
+        # A fresh connection per request: SO_REUSEPORT spreads them over both workers.
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
+            for i in range(REQUESTS):
+                body = {"model": MODEL, "messages": [{"role": "user", "content": f"q {i}"}],
+                        "max_tokens": 2}
+                async with s.post(f"{url}/v1/chat/completions", json=body) as response:
+                    assert response.status == 200, await response.text()
+        scrapes = [served(_metrics_once(url)) for _ in range(SCRAPES)]
+        for after in scrapes:  # every scrape, whichever worker made it, sees both
+            assert set(after) == {"0", "1"}, after
+            added = {w: after[w] - before.get(w, 0) for w in after}
+            assert sum(added.values()) == REQUESTS, (before, after)
+            assert all(n > 0 for n in added.values()), added  # both workers served some
+            assert all(after[w] >= before.get(w, 0) for w in after)
+        text = _metrics_once(url)
+        assert 'pdgate_metrics_workers{state="answered"} 2.0' in text
+        assert text.count("# TYPE pdgate_requests_total counter") == 1
+    finally:
+        assert router.stop() == 0, router.log()[-3000:]
+
+
+def served(text: str) -> dict[str, float]:
+    """worker -> chat requests it answered with 200 (`pdgate_requests_total`)."""
+    out: dict[str, float] = {}
+    for worker, samples in split_workers(text).items():
+        out[worker] = sum(v for labels, v in metric_values(samples, "pdgate_requests_total")
+                          if 'status="200"' in labels)
+    return out
 
 
 async def test_two_replicas_share_counts_and_survive_a_killed_peer(pods: SimCluster) -> None:

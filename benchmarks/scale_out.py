@@ -70,10 +70,15 @@ from engine_sim.ports import common_free_port as free_port
 from engine_sim.ports import wait_http
 
 SETUPS: Final = ("one process", "--workers 2", "2 replicas")
+#: The control of the router-bound part: two routers that share nothing (no sync).
+UNSYNCED: Final = "2 routers, no sync"
+FAST_SETUPS: Final = (*SETUPS, UNSYNCED)
 #: A router setup is quiet when its processes use less than this share of a core.
 SETTLED_CPU: Final = 0.05
 #: Longest wait for a setup to go quiet after its warm-up (seconds).
 SETTLE_TIMEOUT_S: Final = 30.0
+#: Seconds of idle CPU measured after a router-bound run (its background work).
+IDLE_SAMPLE_S: Final = 2.0
 #: Times the connection pool is reopened to spread it evenly over the workers.
 MAX_POOL_ATTEMPTS: Final = 50
 
@@ -124,6 +129,8 @@ async def start_routers(
         argvs = [[*base, "--port", str(ports[0])]]
     elif setup == "--workers 2":
         argvs = [[*base, "--port", str(ports[0]), "--workers", "2"]]
+    elif setup == UNSYNCED:
+        argvs = [[*base, "--port", str(ports[i])] for i in range(2)]
     else:
         syncs = [free_port(), free_port()]
         argvs = [[*base, "--port", str(ports[i]), "--sync-port", str(syncs[i]),
@@ -189,7 +196,7 @@ async def open_pools(routers: Routers, connections: int) -> None:
 
 async def wait_peers(routers: Routers) -> None:
     """Until every process has heard all the others (`pdgate_peers{state="live"}`)."""
-    if routers.processes == 1:
+    if routers.processes == 1 or routers.setup == UNSYNCED:
         return
     deadline = time.monotonic() + 30
     while True:
@@ -210,11 +217,17 @@ async def settle(routers: Routers) -> float:
     """Wait until the routers go quiet; the seconds it took."""
     started = time.monotonic()
     while time.monotonic() - started < SETTLE_TIMEOUT_S:
-        cpu0 = routers.cpu()
-        await asyncio.sleep(0.5)
-        if (routers.cpu() - cpu0) / 0.5 < SETTLED_CPU:
+        if await idle_cpu(routers, 0.5) < SETTLED_CPU:
             break
     return time.monotonic() - started
+
+
+async def idle_cpu(routers: Routers, seconds: float) -> float:
+    """The routers' CPU (in cores) over `seconds` without traffic: their background work
+    (heartbeats, engine scrapes, the sync's own traffic)."""
+    cpu0 = routers.cpu()
+    await asyncio.sleep(seconds)
+    return (routers.cpu() - cpu0) / seconds
 
 
 @dataclass(slots=True)
@@ -230,8 +243,11 @@ class Run:
     best_query_tokens: int = 0
     cpu_s: float = 0.0
     seconds: float = 0.0
+    #: Router CPU seconds the same processes spend in as long without traffic.
+    idle_cpu_s: float = 0.0
 
     def add(self, other: Run) -> None:
+        self.idle_cpu_s += other.idle_cpu_s
         self.results += other.results
         self.hit_tokens += other.hit_tokens
         self.query_tokens += other.query_tokens
@@ -263,6 +279,11 @@ class Run:
         return self.cpu_s / max(1, len(self.results))
 
     @property
+    def busy_cpu_per_request(self) -> float:
+        """CPU per request net of what the processes spend anyway (`idle_cpu`)."""
+        return max(0.0, self.cpu_s - self.idle_cpu_s) / max(1, len(self.results))
+
+    @property
     def requests_per_s(self) -> float:
         return len(self.results) / self.seconds if self.seconds else 0.0
 
@@ -288,9 +309,14 @@ async def send(
                 results.append(await stream_chat(pool, url, prompt.body(model, max_tokens, salt)))
 
     cpu0 = routers.cpu()
+    client0 = time.process_time()
     started = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(concurrency)))
-    return results, time.perf_counter() - started, routers.cpu() - cpu0
+    seconds = time.perf_counter() - started
+    if sent:
+        print(f"    (client CPU {1e3 * (time.process_time() - client0) / sent:.2f} ms/request, "
+              f"{100 * (time.process_time() - client0) / seconds:.0f}% of a core)", flush=True)
+    return results, seconds, routers.cpu() - cpu0
 
 
 async def measure(
@@ -378,8 +404,8 @@ async def bench_fast(args: argparse.Namespace, workdir: Path) -> dict[str, Run]:
     try:
         config = ["--config", str(cluster.pdgate_config(workdir / "fast" / "config"))]
         for round_index in range(args.rounds):
-            order = SETUPS[round_index % 3:] + SETUPS[: round_index % 3]
-            for setup in order:
+            shift = round_index % len(FAST_SETUPS)
+            for setup in FAST_SETUPS[shift:] + FAST_SETUPS[:shift]:
                 routers = await start_routers(config, setup, workdir)
                 try:
                     await open_pools(routers, args.fast_concurrency)
@@ -388,7 +414,9 @@ async def bench_fast(args: argparse.Namespace, workdir: Path) -> dict[str, Run]:
                         routers, tiny_prompts(args.fast_requests), f"fast-{round_index}",
                         args.fast_concurrency, model=FAST_MODEL,
                     )
-                    run = Run(setup, "fast", results, cpu_s=cpu, seconds=seconds)
+                    idle = await idle_cpu(routers, IDLE_SAMPLE_S)
+                    run = Run(setup, "fast", results, cpu_s=cpu, seconds=seconds,
+                              idle_cpu_s=idle * seconds)
                     pooled.setdefault(setup, Run(setup, "fast")).add(run)
                     print(f"  round {round_index + 1} {setup} fast: {run.requests_per_s:.0f} "
                           f"req/s, CPU {1e3 * run.cpu_per_request:.2f} ms/request, "
@@ -421,17 +449,22 @@ def workload_table(pooled: dict[tuple[str, str], Run]) -> str:
 
 def fast_table(pooled: dict[str, Run]) -> str:
     lines = ["| setup (`--fast` pods) | requests / s | vs one process "
-             "| router CPU ms / request | vs one process | errors |",
-             "| --- | --- | --- | --- | --- | --- |"]
+             "| router CPU ms / request | vs one process | net of idle CPU ms / request "
+             "| vs one process | idle CPU (% of a core) | errors |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     base = pooled.get("one process")
-    for setup in SETUPS:
+    for setup in FAST_SETUPS:
         run = pooled.get(setup)
         if run is None:
             continue
         tput = run.requests_per_s / base.requests_per_s if base else float("nan")
         cpu = run.cpu_per_request / base.cpu_per_request if base else float("nan")
+        busy = run.busy_cpu_per_request / base.busy_cpu_per_request if base else float("nan")
+        idle = 100 * run.idle_cpu_s / run.seconds if run.seconds else 0.0
         lines.append(f"| {setup} | {run.requests_per_s:.0f} | {tput:.2f}x "
-                     f"| {1e3 * run.cpu_per_request:.2f} | {cpu:.2f}x | {run.errors} |")
+                     f"| {1e3 * run.cpu_per_request:.2f} | {cpu:.2f}x "
+                     f"| {1e3 * run.busy_cpu_per_request:.2f} | {busy:.2f}x | {idle:.1f}% "
+                     f"| {run.errors} |")
     return "\n".join(lines)
 
 
@@ -439,14 +472,15 @@ async def bench(args: argparse.Namespace) -> None:
     workdir = Path(tempfile.mkdtemp(prefix="pdgate-bench-scale-"))
     print(f"{args.rounds} rounds; load average {psutil.getloadavg()[0]:.1f} on "
           f"{psutil.cpu_count()} CPUs; logs in {workdir}", flush=True)
-    pooled = await bench_workloads(args, workdir)
+    pooled = {} if args.no_workloads else await bench_workloads(args, workdir)
     fast = None if args.no_fast else await bench_fast(args, workdir)
     print(f"\nshared-prefix: {args.prompts} system prompts x {args.questions} questions; "
           f"multi-round: {args.users} users x {args.chat_rounds} rounds "
           f"(system ~{args.chat_system_tokens} tokens); {args.groups} PD groups; "
           f"{args.concurrency} keep-alive connections; {args.rounds} rounds pooled; "
           f"load average {psutil.getloadavg()[0]:.1f}\n")
-    print(workload_table(pooled))
+    if pooled:
+        print(workload_table(pooled))
     if fast is not None:
         print(f"\n{args.fast_requests} tiny streams x {args.rounds} rounds, "
               f"{args.fast_concurrency} keep-alive connections, {args.fast_pods} aggregated "
@@ -469,6 +503,8 @@ def main() -> None:
     parser.add_argument("--fast-concurrency", type=int, default=32)
     parser.add_argument("--fast-pods", type=int, default=2, help="aggregated --fast pods")
     parser.add_argument("--no-fast", action="store_true", help="skip the router-bound part")
+    parser.add_argument("--no-workloads", action="store_true",
+                        help="only the router-bound part")
     parser.add_argument("--seed", type=int, default=0)
     asyncio.run(bench(parser.parse_args()))
 

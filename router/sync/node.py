@@ -11,11 +11,14 @@ at the high-water mark and the sequence gap shows it):
   sequence stay the sender's). So each host has one peer connection per peer host.
 
 Publishing never waits: a local change (in-flight count, routed prompt, ejection, engine
-scrape) is queued, and the queue is flushed as ONE frame at the next turn of the event
-loop (`call_soon`), so a request's acquire, route and release cost one send at most per
-turn, shared by every request that turn. In-flight counts are coalesced per pod (only the
-latest count is sent). A heartbeat every `heartbeat_s` carries the whole in-flight
-report, so a dropped message is repaired within one heartbeat.
+scrape) is queued, and the queue is flushed as ONE frame `flush_interval_s` (5 ms) after
+the first change (`call_later`), so every request of that window shares one send, and
+in-flight counts are coalesced per pod (only the latest count is sent: a request that
+starts and ends within the window costs nothing). Flushing at the next turn of the event
+loop instead sent a frame almost every turn under load (a ZMQ send wakes its I/O thread,
+the receiver's loop wakes per frame): `--workers 2` cost 35% more router CPU per request
+than one process with tiny requests. A heartbeat every `heartbeat_s` carries the whole
+in-flight report, so a dropped message is repaired within one heartbeat.
 
 Liveness: an origin silent for `ttl_s` is lost: its in-flight counts stop weighing on
 any pod at once, and the router carries on with what it knows itself. Prompts it routed
@@ -153,10 +156,10 @@ class SyncNode:
     def _schedule(self) -> None:
         if not self._scheduled and self._loop is not None:
             self._scheduled = True
-            self._loop.call_soon(self.flush)
+            self._loop.call_later(self.config.flush_interval_s, self.flush)
 
     def flush(self) -> None:
-        """Send what this turn of the event loop queued: one frame (plus one host frame)."""
+        """Send what the last `flush_interval_s` queued: one frame (plus one host frame)."""
         self._scheduled = False
         if self._pending or self._pending_inflight:
             batch = self._pending

@@ -15,9 +15,8 @@ scrape) is queued, and the queue is flushed as ONE frame `flush_interval_s` (5 m
 the first change (`call_later`), so every request of that window shares one send, and
 in-flight counts are coalesced per pod (only the latest count is sent: a request that
 starts and ends within the window costs nothing). Flushing at the next turn of the event
-loop instead sent a frame almost every turn under load (a ZMQ send wakes its I/O thread,
-the receiver's loop wakes per frame): `--workers 2` cost 35% more router CPU per request
-than one process with tiny requests. A heartbeat every `heartbeat_s` carries the whole
+loop instead sent a frame on almost every turn under load: one ZMQ send, and one wake-up
+of every other process, per turn. A heartbeat every `heartbeat_s` carries the whole
 in-flight report, so a dropped message is repaired within one heartbeat.
 
 Liveness: an origin silent for `ttl_s` is lost: its in-flight counts stop weighing on

@@ -28,6 +28,7 @@ from benchmarks.scale_out import _PodsOnly
 from benchmarks.sched_policies import (
     DECODE_FLAGS,
     SharedPrefix,
+    policy_document,
     prefill_flags,
     shared_prefix,
     stream_chat,
@@ -357,6 +358,11 @@ async def test_precise_index_is_the_same_in_two_routers_without_any_sync(
         decode_flags=DECODE_FLAGS, policy="precise-prefix-cache",
         mooncake=(mooncake_master.rpc_address, mooncake_master.metadata_url),
     ) as cluster:
+        strict = {"cacheSimilarity": 0.0, "tieTolerance": 0.0}
+        profiles = {"prefill": {"scorers": [
+            {"type": "precise-prefix-cache", "weight": 1.0, "storeHitFactor": 0.0},
+            {"type": "least-request", "weight": 1.0}], "picker": strict}}
+        write_yaml(cluster.scheduler_file, [policy_document("precise-prefix-cache", profiles)])
         argv = ["--config", str(cluster.config_dir), "--scheduler-config",
                 str(cluster.scheduler_file)]
         ports = [free_port(), free_port()]
@@ -375,19 +381,27 @@ async def test_precise_index_is_the_same_in_two_routers_without_any_sync(
                 await _same_precise_blocks(urls)
                 picks = []
                 for prompt in prompts[:: PRECISE_WORKLOAD.questions]:  # one per group
-                    cached = []
-                    for url in urls:  # the same prompt, one router after the other
-                        body = prompt.body(SCHED_MODEL, 2, "fill")
-                        result = await stream_chat(http, url, body)
-                        assert result.status == 200 and result.prefill is not None
-                        pod = next(p for p in cluster.prefill_pods if p.name == result.prefill)
-                        record = (await cluster.sim_json(pod))["recent"][-1]
-                        cached.append(record["cached_tokens"])
-                    picks.append(cached)
-            assert all(a == b and a > 0 for a, b in picks), picks
+                    # Router 0 places the prompt (its pod now holds all of it); once router
+                    # 1 has read the same events, it sends the prompt where router 0 does.
+                    body = prompt.body(SCHED_MODEL, 2, "fill")
+                    await cached_tokens(cluster, http, urls[0], body)
+                    await _same_precise_blocks(urls)
+                    picks.append([await cached_tokens(cluster, http, url, body)
+                                  for url in (urls[1], urls[0])])
+            assert all(one == zero > 0 for one, zero in picks), picks
         finally:
             for router in routers:
                 assert router.stop() == 0, router.log()[-3000:]
+
+
+async def cached_tokens(
+    cluster: _PodsOnly, http: aiohttp.ClientSession, url: str, body: dict[str, object]
+) -> int:
+    """Send `body` through `url`; the prompt tokens its prefill pod found cached."""
+    result = await stream_chat(http, url, body)
+    assert result.status == 200 and result.completed and result.prefill is not None
+    pod = next(p for p in cluster.prefill_pods if p.name == result.prefill)
+    return int((await cluster.sim_json(pod))["recent"][-1]["cached_tokens"])
 
 
 async def _same_precise_blocks(urls: list[str]) -> None:

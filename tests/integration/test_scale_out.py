@@ -22,11 +22,13 @@ from pathlib import Path
 
 import aiohttp
 import openai
+import psutil
 import pytest
 
 from benchmarks.scale_out import _PodsOnly
 from benchmarks.sched_policies import (
     DECODE_FLAGS,
+    PolicyCluster,
     SharedPrefix,
     policy_document,
     prefill_flags,
@@ -63,6 +65,8 @@ DROPPED_WITHIN_S = TTL_S + DEFAULT_HEARTBEAT_S
 OBSERVE_SLACK_S = 0.7
 #: 6 system prompts x 4 questions: the precise-index test's traffic (fills the caches).
 PRECISE_WORKLOAD = SharedPrefix(groups=6, questions=4, system_tokens=1024, seed=7)
+#: Seconds workers get to drain and exit once their supervisor is gone (nothing in flight).
+ORPHAN_EXIT_S = 10.0
 #: Requests and scrapes of the one-exposition test.
 REQUESTS = 40
 SCRAPES = 6
@@ -395,7 +399,7 @@ async def test_precise_index_is_the_same_in_two_routers_without_any_sync(
 
 
 async def cached_tokens(
-    cluster: _PodsOnly, http: aiohttp.ClientSession, url: str, body: dict[str, object]
+    cluster: PolicyCluster, http: aiohttp.ClientSession, url: str, body: dict[str, object]
 ) -> int:
     """Send `body` through `url`; the prompt tokens its prefill pod found cached."""
     result = await stream_chat(http, url, body)
@@ -430,3 +434,27 @@ def _router_argv(tmp: Path, name: str, port: int, argv: list[str]) -> Process:
     process.start()
     wait_http(f"http://127.0.0.1:{port}/readyz")
     return process
+
+
+async def test_workers_stop_when_their_supervisor_is_killed(pods: SimCluster) -> None:
+    """A SIGKILLed supervisor leaves no worker serving its port, unsupervised."""
+    port = free_port()
+    router = _router(pods, "workers-orphans", port, ["--workers", "2"])
+    url = f"http://127.0.0.1:{port}"
+    workers: list[psutil.Process] = []
+    try:
+        await wait_ready([url], 2)
+        assert router.popen is not None
+        workers = [p for p in psutil.Process(router.popen.pid).children() if p.is_running()]
+        assert len(workers) == 2
+        router.popen.send_signal(signal.SIGKILL)
+        router.popen.wait()
+        _, alive = await asyncio.to_thread(psutil.wait_procs, workers, ORPHAN_EXIT_S)
+        assert not alive, [p.pid for p in alive]
+        with pytest.raises(OSError):
+            _metrics_once(url)
+    finally:
+        router.stop(signal.SIGKILL)
+        for worker in workers:  # if the test failed: no orphan outlives it
+            with contextlib.suppress(psutil.Error):
+                worker.kill()

@@ -30,7 +30,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.convertors import Convertor, register_url_convertor
 
 from router import control_errors
@@ -354,12 +354,12 @@ def add_ops_routes(app: FastAPI, state: AppState) -> None:
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
         ready = state.ready
-        return JSONResponse(
-            {"ready": ready, "synced": state.synced, "draining": state.draining},
-            status_code=200 if ready else 503,
-        )
+        body: dict[str, Any] = {"ready": ready, "synced": state.synced,
+                                "draining": state.draining}
+        if state.config.sync is not None:  # which of several router processes answers
+            body["origin"] = state.config.sync.origin
+        return JSONResponse(body, status_code=200 if ready else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        state.refresh_gauges()
-        return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(await state.metrics_exposition(), media_type=CONTENT_TYPE_LATEST)

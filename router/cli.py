@@ -240,7 +240,13 @@ def _serve(args: argparse.Namespace) -> int:
     from router.http import FD_RESERVE, Edge, ensure_fd_limit
     from router.resilience.runner import DrainingRunner
     from router.state import AppState, RouterConfig
-    from router.sync.workers import Supervisor, parse_workers, reuseport_socket, worker_place
+    from router.sync.workers import (
+        Supervisor,
+        exit_with_supervisor,
+        parse_workers,
+        reuseport_socket,
+        worker_place,
+    )
     from router.upstream import MAX_CONNECTIONS as UPSTREAM_MAX_CONNECTIONS
 
     try:
@@ -252,6 +258,8 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     if workers > 1 and worker_place() is None:
         return Supervisor(args.argv, workers).run()
+    if worker_place() is not None:
+        exit_with_supervisor()
     namespace = None if args.all_namespaces else args.namespace
     if (args.kubernetes or args.peer_service) and namespace is None and not args.all_namespaces:
         from router.sources.kube_api import default_namespace

@@ -8,8 +8,9 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Final
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 
 from router.config_watch import ConfigWatch
 from router.load import InFlight
@@ -22,11 +23,16 @@ from router.security import Security, SecurityConfig
 from router.sources.base import Source
 from router.sources.kube_events import EventRecorder, model_server_notifier
 from router.sync import SyncConfig, SyncNode
+from router.sync.exposition import WorkerMetrics
 from router.tracing import tracing_from_env
 from router.upstream import Upstream
 from router.view import ClusterView, Snapshot
 
 log = logging.getLogger("pdgate.state")
+
+#: Seconds a worker of several (`--workers N`) waits, at start, for its view and its
+#: tokenizers before it starts accepting connections anyway (logged).
+WORKER_WARM_UP_TIMEOUT_S: Final = 60.0
 
 
 @dataclass(slots=True)
@@ -74,6 +80,11 @@ class AppState:
             approx=self.scheduler_runtime.approx, engines=self.scheduler_runtime.engines,
             scraper=self.scheduler_runtime.scraper, view=self.view, registry=self.registry,
         )
+        #: `--workers N`: this worker's metrics for its siblings, and theirs for a scrape.
+        self.worker_metrics = (
+            WorkerMetrics(config.sync, self.render_metrics)
+            if config.sync is not None and config.sync.workers > 1 else None
+        )
         self.sources: list[Source] = list(config.extra_sources)
         self.started_at = time.time()
         self._tasks: list[asyncio.Task[None]] = []
@@ -97,6 +108,17 @@ class AppState:
 
     def refresh_gauges(self) -> None:
         self.metrics.ready.set(1 if self.ready else 0)
+
+    def render_metrics(self) -> bytes:
+        """This process's own exposition."""
+        self.refresh_gauges()
+        return generate_latest(self.registry)
+
+    async def metrics_exposition(self) -> bytes:
+        """What `/metrics` answers: this process's, or with `--workers N` every worker's."""
+        if self.worker_metrics is not None:
+            return await self.worker_metrics.gather()
+        return self.render_metrics()
 
     async def start(self) -> None:
         if self.config.config_dir is not None:
@@ -125,6 +147,29 @@ class AppState:
         self._tasks.append(asyncio.create_task(self.security.run()))
         if self.sync is not None:
             self._tasks.append(asyncio.create_task(self.sync.run()))
+        if self.worker_metrics is not None:
+            self._tasks.append(asyncio.create_task(self.worker_metrics.serve()))
+        if self.config.sync is not None and self.config.sync.workers > 1:
+            await self._warm_up()
+
+    async def _warm_up(self) -> None:
+        """A worker of several: wait for the view and the tokenizers before serving.
+
+        Its SO_REUSEPORT socket starts listening only after this start-up returns
+        (`router.sync.workers.reuseport_socket`), and the kernel hands new connections
+        to any listening worker, ready or not: a worker that listened at once got
+        connections while it was still loading its view, and while its tokenizer load
+        (a second or more holding the GIL) stalled its event loop. Bounded: after
+        `WORKER_WARM_UP_TIMEOUT_S` it serves anyway.
+        """
+        try:
+            async with asyncio.timeout(WORKER_WARM_UP_TIMEOUT_S):
+                while not self.synced:  # noqa: ASYNC110 - sources signal no event
+                    await asyncio.sleep(0.05)
+                await self.scheduler_runtime.tokenizers.wait_loaded()
+        except TimeoutError:
+            log.warning("worker not warm after %.0f s (view synced: %s): serving anyway",
+                        WORKER_WARM_UP_TIMEOUT_S, self.synced)
 
     async def stop(self) -> None:
         for task in self._tasks:

@@ -8,6 +8,8 @@ from typing import Final
 
 #: Seconds between heartbeats; each carries the origin's whole in-flight report.
 DEFAULT_HEARTBEAT_S: Final = 0.2
+#: Seconds local changes are gathered before they go out as one frame (`node.py`).
+DEFAULT_FLUSH_INTERVAL_S: Final = 0.005
 #: Seconds without a frame after which an origin is lost and its contributions expire.
 DEFAULT_TTL_S: Final = 1.0
 #: TCP port of a host's peer channel (worker 0 binds it; peers connect to it).
@@ -37,6 +39,7 @@ class SyncConfig:
     #: This pod's own address, skipped among the discovered peers.
     own_address: str | None = None
     heartbeat_s: float = DEFAULT_HEARTBEAT_S
+    flush_interval_s: float = DEFAULT_FLUSH_INTERVAL_S
     ttl_s: float = DEFAULT_TTL_S
     discovery_interval_s: float = DEFAULT_DISCOVERY_INTERVAL_S
 
@@ -56,9 +59,15 @@ class SyncConfig:
     def ipc_address(self, worker: int) -> str:
         return f"ipc://{self.run_dir}/pdgate-sync-{self.host_id}-{worker}.ipc"
 
+    def metrics_address(self, worker: int) -> str:
+        """Unix socket path on which a worker serves its own `/metrics` to its siblings."""
+        return f"{self.run_dir}/pdgate-metrics-{self.host_id}-{worker}.sock"
+
     def validate(self) -> None:
         if self.workers < 1 or not 0 <= self.worker < self.workers:
             raise ValueError(f"worker {self.worker} of {self.workers}: out of range")
+        if not 0 <= self.flush_interval_s < self.heartbeat_s:
+            raise ValueError("the sync flush interval must be >= 0 and below the heartbeat")
         if self.heartbeat_s <= 0 or self.ttl_s <= self.heartbeat_s:
             raise ValueError("the sync TTL must exceed the heartbeat interval (both > 0)")
         if (self.peers or self.peer_service) and self.sync_port is None:

@@ -11,11 +11,15 @@ at the high-water mark and the sequence gap shows it):
   sequence stay the sender's). So each host has one peer connection per peer host.
 
 Publishing never waits: a local change (in-flight count, routed prompt, ejection, engine
-scrape) is queued, and the queue is flushed as ONE frame at the next turn of the event
-loop (`call_soon`), so a request's acquire, route and release cost one send at most per
-turn, shared by every request that turn. In-flight counts are coalesced per pod (only the
-latest count is sent). A heartbeat every `heartbeat_s` carries the whole in-flight
-report, so a dropped message is repaired within one heartbeat.
+scrape) is queued and the queue goes out as ONE frame. A decision another process must
+see before its next pick (a routed prompt, an ejection) is flushed at the next turn of the
+event loop; counts and scrapes within `flush_interval_s` (5 ms), so every request of that
+window shares one send and in-flight counts are coalesced per pod (only the latest count
+is sent: a request that starts and ends within the window costs nothing). Flushing
+everything at the next turn sent a frame on almost every turn under load (acquire and
+release of prefill and decode happen on different turns): one ZMQ send, and one wake-up
+of every other process, each time. A heartbeat every `heartbeat_s` carries the whole
+in-flight report, so a dropped message is repaired within one heartbeat.
 
 Liveness: an origin silent for `ttl_s` is lost: its in-flight counts stop weighing on
 any pod at once, and the router carries on with what it knows itself. Prompts it routed
@@ -105,7 +109,8 @@ class SyncNode:
         self._pending: list[m.Message] = []
         self._pending_inflight: dict[str, int] = {}
         self._pending_host: list[m.Message] = []
-        self._scheduled = False
+        self._soon = False  # a flush at the next loop turn is scheduled
+        self._timer: asyncio.TimerHandle | None = None  # a flush in `flush_interval_s`
         self._loop: asyncio.AbstractEventLoop | None = None
         self._seq = 0
         self._local_pub: zmq.Socket[bytes] | None = None
@@ -132,10 +137,10 @@ class SyncNode:
         self._schedule()
 
     def _on_route(self, key: str, hashes: Sequence[int]) -> None:
-        self._queue(self._pending, (m.ROUTE, key, list(hashes)))
+        self._queue(self._pending, (m.ROUTE, key, list(hashes)), soon=True)
 
     def _on_eject(self, key: str, backoff: float) -> None:
-        self._queue(self._pending, (m.EJECT, key, backoff))
+        self._queue(self._pending, (m.EJECT, key, backoff), soon=True)
 
     def _on_engine(self, key: str, load: EngineLoad) -> None:
         self._queue(self._pending_host, (
@@ -143,21 +148,30 @@ class SyncNode:
             load.at,
         ))
 
-    def _queue(self, queue: list[m.Message], message: m.Message) -> None:
+    def _queue(self, queue: list[m.Message], message: m.Message, soon: bool = False) -> None:
         if len(queue) >= MAX_PENDING_MESSAGES:
             self.metrics.messages.labels(direction="dropped").inc()
             return
         queue.append(message)
-        self._schedule()
+        self._schedule(soon)
 
-    def _schedule(self) -> None:
-        if not self._scheduled and self._loop is not None:
-            self._scheduled = True
-            self._loop.call_soon(self.flush)
+    def _schedule(self, soon: bool = False) -> None:
+        """Flush at the next loop turn (`soon`: a decision) or within `flush_interval_s`."""
+        loop = self._loop
+        if loop is None or self._soon:
+            return
+        if soon:
+            self._soon = True
+            loop.call_soon(self.flush)
+        elif self._timer is None:
+            self._timer = loop.call_later(self.config.flush_interval_s, self.flush)
 
     def flush(self) -> None:
-        """Send what this turn of the event loop queued: one frame (plus one host frame)."""
-        self._scheduled = False
+        """Send what is queued: one frame (plus one host frame)."""
+        self._soon = False
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self._pending or self._pending_inflight:
             batch = self._pending
             batch.extend((m.INFLIGHT, k, c) for k, c in self._pending_inflight.items())
@@ -166,7 +180,8 @@ class SyncNode:
             self._seq += 1
             frame = m.encode(self.origin, self.config.host_id, self._seq, batch)
             self._send(self._local_pub, frame, len(batch))
-            self._send(self._peer_pub, frame, 0)
+            # Counted once: by the local socket when there is one (a lone replica has none).
+            self._send(self._peer_pub, frame, 0 if self._local_pub is not None else len(batch))
         if self._pending_host:
             batch, self._pending_host = self._pending_host, []
             frame = m.encode(self.origin, self.config.host_id, UNSEQUENCED, batch)

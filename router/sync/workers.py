@@ -8,7 +8,8 @@ SO_REUSEPORT each worker has its own accept queue. The cost: a connection is pin
 one worker for its life (keep-alive clients spread per connection, not per request), and
 connections queued on a worker that dies are reset. The supervisor restarts a worker that
 exits on its own, forwards SIGTERM/SIGINT to every worker (each drains as one process
-does) and exits when they have all exited.
+does) and exits when they have all exited; a worker whose supervisor dies gets SIGTERM
+(`exit_with_supervisor`).
 
 `auto` is the CPUs this process may run on: the affinity mask (`os.sched_getaffinity`),
 capped by the cgroup v2 quota (`cpu.max`, rounded up): a container limited to 1.5 CPUs
@@ -17,6 +18,7 @@ gets 2 workers, not one per host core.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
 import os
@@ -33,6 +35,10 @@ log = logging.getLogger("pdgate.sync.workers")
 
 #: The environment variable a worker process reads its place from: "host_id:index:count".
 WORKER_ENV: Final = "PDGATE_WORKER"
+#: The environment variable a worker reads its supervisor's pid from.
+SUPERVISOR_ENV: Final = "PDGATE_SUPERVISOR_PID"
+#: prctl(2) option: the signal a process gets when its parent dies (Linux).
+PR_SET_PDEATHSIG: Final = 1
 #: Most workers `--workers` accepts.
 MAX_WORKERS: Final = 256
 #: A worker that exits sooner than this after its start is not restarted (a config error
@@ -89,19 +95,41 @@ def worker_place() -> tuple[str, int, int] | None:
     return host_id, int(index), int(count)
 
 
+def exit_with_supervisor() -> None:
+    """A worker: get SIGTERM (and drain) when the supervisor dies, even by SIGKILL.
+
+    Without it a killed supervisor left its workers serving the port, unsupervised, and a
+    new supervisor's workers shared it with them. Linux only (prctl); elsewhere a no-op.
+    A supervisor that died before this call is noticed by the parent pid.
+    """
+    expected = os.environ.get(SUPERVISOR_ENV)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if expected is not None and os.getppid() != int(expected):
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def new_host_id() -> str:
     """A fresh id per router start: a restarted replica is a new origin to its peers."""
     return uuid.uuid4().hex[:12]
 
 
 def reuseport_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket with SO_REUSEPORT, for uvicorn's `serve(sockets=...)`."""
+    """A bound TCP socket with SO_REUSEPORT, for uvicorn's `serve(sockets=...)`.
+
+    Bound, not listening: uvicorn listens on it once the app's start-up is complete (a
+    worker's start-up waits for its view and tokenizers, `AppState._warm_up`), and only a
+    listening socket gets connections from the kernel. Listening here, the kernel queued
+    connections on a worker that was still starting, for seconds.
+    """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
-    sock.listen(2048)
     sock.set_inheritable(False)
     return sock
 
@@ -119,6 +147,7 @@ class Supervisor:
     def _start(self, index: int) -> None:
         env = dict(os.environ)
         env[WORKER_ENV] = f"{self.host_id}:{index}:{self.count}"
+        env[SUPERVISOR_ENV] = str(os.getpid())
         process = subprocess.Popen([sys.executable, "-m", "router", *self.argv], env=env)
         self.children[index] = (process, time.monotonic())
         log.info("worker %d started (pid %d)", index, process.pid)

@@ -3,25 +3,40 @@
 Real processes over loopback: a Mooncake master, two simulated PD groups, routers started
 as `python -m router serve`. In-flight counts are checked against the truth the client
 knows (which decode pod each open stream went to, from `x-pdgate-decode-pod`), in every
-router process's own `/metrics` (`pdgate_sync_seen_inflight_requests`, per origin). A
-worker is reached by opening fresh connections until SO_REUSEPORT has handed one to it.
+router process's own view (`pdgate_sync_seen_inflight_requests`, per origin): one scrape of
+a `--workers 2` router holds both workers' samples, labelled `worker`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import signal
 import sys
 import time
 import urllib.request
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import aiohttp
 import openai
+import psutil
 import pytest
 
+from benchmarks.scale_out import _PodsOnly
+from benchmarks.sched_policies import (
+    DECODE_FLAGS,
+    PolicyCluster,
+    SharedPrefix,
+    policy_document,
+    prefill_flags,
+    shared_prefix,
+    stream_chat,
+)
+from benchmarks.sched_policies import MODEL as SCHED_MODEL
+from engine_sim.mooncake_master import MooncakeMaster
 from router.sync.config import DEFAULT_HEARTBEAT_S
 from tests.integration.harness import (
     Process,
@@ -44,8 +59,19 @@ STREAM_TOKENS = 150
 ITL_MS = 20
 #: The sync TTL the routers run with (seconds); a lost peer is dropped within TTL + one tick.
 TTL_S = 1.0
-#: Fresh connections tried to reach every worker of a router (SO_REUSEPORT hashes them).
-MAX_PROBES = 200
+#: README "Running more than one": a dead peer is dropped within --sync-ttl plus one
+#: heartbeat (the tick that checks ages); observing it here adds a scrape's latency.
+DROPPED_WITHIN_S = TTL_S + DEFAULT_HEARTBEAT_S
+OBSERVE_SLACK_S = 0.7
+#: 6 system prompts x 4 questions: the precise-index test's traffic (fills the caches).
+PRECISE_WORKLOAD = SharedPrefix(groups=6, questions=4, system_tokens=1024, seed=7)
+#: Seconds workers get to drain and exit once their supervisor is gone (nothing in flight).
+ORPHAN_EXIT_S = 10.0
+#: Requests and scrapes of the one-exposition test.
+REQUESTS = 40
+SCRAPES = 6
+#: The label a `--workers N` exposition puts first on every sample (`{worker="1",...`).
+WORKER_LABEL = re.compile(r'(?<=\{)worker="(\d+)",?')
 
 
 def _specs() -> list[SimPodSpec]:
@@ -93,20 +119,35 @@ def _metrics_once(url: str) -> str:
         return str(response.read().decode())
 
 
+def split_workers(text: str) -> dict[str, str]:
+    """worker index -> its samples, label removed ({"": text} for a single process).
+
+    With `--workers N` one scrape holds every worker's samples, each labelled
+    `worker="i"` (router/sync/exposition.py).
+    """
+    out: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        match = WORKER_LABEL.search(line)
+        if match is None:
+            continue
+        line = WORKER_LABEL.sub("", line, count=1)
+        out.setdefault(match.group(1), []).append(line.replace("{} ", " ", 1))
+    return {w: "\n".join(lines) for w, lines in out.items()} or {"": text}
+
+
 def _origin(text: str) -> str:
     [(labels, _)] = metric_values(text, "pdgate_sync_info")
     return labels.split('"')[1]
 
 
 def per_process_metrics(urls: list[str], processes: int) -> dict[str, str]:
-    """origin -> its /metrics, once every one of `processes` origins has answered."""
+    """origin -> its samples: one scrape per URL covers every process behind it."""
     seen: dict[str, str] = {}
-    for attempt in range(MAX_PROBES):
-        text = _metrics_once(urls[attempt % len(urls)])
-        seen[_origin(text)] = text
-        if len(seen) == processes:
-            return seen
-    raise AssertionError(f"only {sorted(seen)} of {processes} router processes answered")
+    for url in urls:
+        for text in split_workers(_metrics_once(url)).values():
+            seen[_origin(text)] = text
+    assert len(seen) == processes, f"{sorted(seen)}: not the {processes} router processes"
+    return seen
 
 
 def seen_inflight(text: str) -> dict[str, float]:
@@ -117,7 +158,12 @@ def seen_inflight(text: str) -> dict[str, float]:
 async def wait_ready(urls: list[str], processes: int) -> None:
     deadline = time.monotonic() + 30
     while True:
-        views = await asyncio.to_thread(per_process_metrics, urls, processes)
+        try:
+            views = await asyncio.to_thread(per_process_metrics, urls, processes)
+        except (AssertionError, OSError):  # a worker still starting: not in the scrape yet
+            assert time.monotonic() < deadline, "the router processes did not all start"
+            await asyncio.sleep(0.2)
+            continue
         ready = [metric_values(t, "pdgate_ready") == [("", 1.0)] for t in views.values()]
         live = [sum(v for lb, v in metric_values(t, "pdgate_peers") if "live" in lb)
                 for t in views.values()]
@@ -201,6 +247,44 @@ async def test_two_workers_share_inflight_counts(pods: SimCluster) -> None:
         assert router.stop() == 0, router.log()[-3000:]
 
 
+async def test_one_scrape_covers_every_worker(pods: SimCluster) -> None:
+    """`/metrics` of `--workers 2` holds both workers' counters, whichever worker answers."""
+    port = free_port()
+    router = _router(pods, "workers-metrics", port, ["--workers", "2"])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        await wait_ready([url], 2)
+        before = served(_metrics_once(url))
+        # A fresh connection per request: SO_REUSEPORT spreads them over both workers.
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
+            for i in range(REQUESTS):
+                body = {"model": MODEL, "messages": [{"role": "user", "content": f"q {i}"}],
+                        "max_tokens": 2}
+                async with s.post(f"{url}/v1/chat/completions", json=body) as response:
+                    assert response.status == 200, await response.text()
+        scrapes = [served(_metrics_once(url)) for _ in range(SCRAPES)]
+        for after in scrapes:  # every scrape, whichever worker made it, sees both
+            assert set(after) == {"0", "1"}, after
+            added = {w: after[w] - before.get(w, 0) for w in after}
+            assert sum(added.values()) == REQUESTS, (before, after)
+            assert all(n > 0 for n in added.values()), added  # both workers served some
+            assert all(after[w] >= before.get(w, 0) for w in after)
+        text = _metrics_once(url)
+        assert 'pdgate_metrics_workers{state="answered"} 2.0' in text
+        assert text.count("# TYPE pdgate_requests_total counter") == 1
+    finally:
+        assert router.stop() == 0, router.log()[-3000:]
+
+
+def served(text: str) -> dict[str, float]:
+    """worker -> chat requests it answered with 200 (`pdgate_requests_total`)."""
+    out: dict[str, float] = {}
+    for worker, samples in split_workers(text).items():
+        out[worker] = sum(v for labels, v in metric_values(samples, "pdgate_requests_total")
+                          if 'status="200"' in labels)
+    return out
+
+
 async def test_two_replicas_share_counts_and_survive_a_killed_peer(pods: SimCluster) -> None:
     ports = [free_port(), free_port()]
     syncs = [free_port(), free_port()]
@@ -240,13 +324,13 @@ async def test_two_replicas_share_counts_and_survive_a_killed_peer(pods: SimClus
             if peers.get('{state="lost"}') == 1 and peers.get('{state="live"}') == 0:
                 lost_after = time.monotonic() - killed_at
             else:
-                assert time.monotonic() - killed_at < TTL_S + 2 * DEFAULT_HEARTBEAT_S + 1.0
+                assert time.monotonic() - killed_at < DROPPED_WITHIN_S + 2 * OBSERVE_SLACK_S
                 await asyncio.sleep(0.05)
         await traffic  # raises if any of the survivor's own requests failed
         doomed.cancel()
         with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
             await doomed
-        assert lost_after <= TTL_S + 2 * DEFAULT_HEARTBEAT_S + 0.5, lost_after
+        assert lost_after <= DROPPED_WITHIN_S + OBSERVE_SLACK_S, lost_after
         await assert_all_zero([urls[0]], 1)
     finally:
         for router in routers:
@@ -264,3 +348,113 @@ async def _hold_streams(url: str, count: int) -> None:
                     pass
 
         await asyncio.gather(*(one() for _ in range(count)))
+
+
+async def test_precise_index_is_the_same_in_two_routers_without_any_sync(
+    mooncake_master: MooncakeMaster, tmp_path: Path
+) -> None:
+    """KV events make the precise index consistent by construction: two routers that share
+    nothing (no --sync-port, no peers) each read every engine's events, so after the same
+    traffic they hold the same number of blocks, and a prompt asked of either lands on a
+    pod holding as much of it as the other's pick did (exactly the engine's cached tokens)."""
+    async with _PodsOnly(
+        tmp_path, groups=3, subnet="127.0.93", prefill_flags=prefill_flags(),
+        decode_flags=DECODE_FLAGS, policy="precise-prefix-cache",
+        mooncake=(mooncake_master.rpc_address, mooncake_master.metadata_url),
+    ) as cluster:
+        strict = {"cacheSimilarity": 0.0, "tieTolerance": 0.0}
+        profiles = {"prefill": {"scorers": [
+            {"type": "precise-prefix-cache", "weight": 1.0, "storeHitFactor": 0.0},
+            {"type": "least-request", "weight": 1.0}], "picker": strict}}
+        write_yaml(cluster.scheduler_file, [policy_document("precise-prefix-cache", profiles)])
+        argv = ["--config", str(cluster.config_dir), "--scheduler-config",
+                str(cluster.scheduler_file)]
+        ports = [free_port(), free_port()]
+        routers = [_router_argv(tmp_path, f"precise-{i}", ports[i], argv) for i in range(2)]
+        urls = [f"http://127.0.0.1:{p}" for p in ports]
+        try:
+            prompts = shared_prefix(PRECISE_WORKLOAD)
+            async with aiohttp.ClientSession() as http:
+                # Both routers place the same traffic, alternating, four at a time.
+                for start in range(0, len(prompts), 4):
+                    results = await asyncio.gather(*(
+                        stream_chat(http, urls[i % 2], prompts[i].body(SCHED_MODEL, 2, "fill"))
+                        for i in range(start, min(start + 4, len(prompts)))
+                    ))
+                    assert all(r.status == 200 and r.completed for r in results), results
+                await _same_precise_blocks(urls)
+                picks = []
+                for prompt in prompts[:: PRECISE_WORKLOAD.questions]:  # one per group
+                    # Router 0 places the prompt (its pod now holds all of it); once router
+                    # 1 has read the same events, it sends the prompt where router 0 does.
+                    body = prompt.body(SCHED_MODEL, 2, "fill")
+                    await cached_tokens(cluster, http, urls[0], body)
+                    await _same_precise_blocks(urls)
+                    picks.append([await cached_tokens(cluster, http, url, body)
+                                  for url in (urls[1], urls[0])])
+            assert all(one == zero > 0 for one, zero in picks), picks
+        finally:
+            for router in routers:
+                assert router.stop() == 0, router.log()[-3000:]
+
+
+async def cached_tokens(
+    cluster: PolicyCluster, http: aiohttp.ClientSession, url: str, body: dict[str, object]
+) -> int:
+    """Send `body` through `url`; the prompt tokens its prefill pod found cached."""
+    result = await stream_chat(http, url, body)
+    assert result.status == 200 and result.completed and result.prefill is not None
+    pod = next(p for p in cluster.prefill_pods if p.name == result.prefill)
+    return int((await cluster.sim_json(pod))["recent"][-1]["cached_tokens"])
+
+
+async def _same_precise_blocks(urls: list[str]) -> None:
+    """Until both routers' precise indexes hold the same block count, twice in a row."""
+    deadline = time.monotonic() + 10
+    last: list[float] = []
+    while True:
+        counts = [
+            dict(metric_values(await asyncio.to_thread(_metrics_once, url),
+                               "pdgate_prefix_index_blocks"))['{index="precise"}']
+            for url in urls
+        ]
+        if counts[0] == counts[1] > 0 and counts == last:
+            return
+        assert time.monotonic() < deadline, f"precise index blocks differ: {counts}"
+        last = counts
+        await asyncio.sleep(0.3)
+
+
+def _router_argv(tmp: Path, name: str, port: int, argv: list[str]) -> Process:
+    process = Process(
+        [sys.executable, "-m", "router", "serve", *argv, "--host", "127.0.0.1",
+         "--port", str(port), "--log-level", "warning"],
+        tmp / f"{name}.log",
+    )  # fmt: skip
+    process.start()
+    wait_http(f"http://127.0.0.1:{port}/readyz")
+    return process
+
+
+async def test_workers_stop_when_their_supervisor_is_killed(pods: SimCluster) -> None:
+    """A SIGKILLed supervisor leaves no worker serving its port, unsupervised."""
+    port = free_port()
+    router = _router(pods, "workers-orphans", port, ["--workers", "2"])
+    url = f"http://127.0.0.1:{port}"
+    workers: list[psutil.Process] = []
+    try:
+        await wait_ready([url], 2)
+        assert router.popen is not None
+        workers = [p for p in psutil.Process(router.popen.pid).children() if p.is_running()]
+        assert len(workers) == 2
+        router.popen.send_signal(signal.SIGKILL)
+        router.popen.wait()
+        _, alive = await asyncio.to_thread(psutil.wait_procs, workers, ORPHAN_EXIT_S)
+        assert not alive, [p.pid for p in alive]
+        with pytest.raises(OSError):
+            _metrics_once(url)
+    finally:
+        router.stop(signal.SIGKILL)
+        for worker in workers:  # if the test failed: no orphan outlives it
+            with contextlib.suppress(psutil.Error):
+                worker.kill()

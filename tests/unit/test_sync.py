@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from router.load import InFlight
 from router.resilience.config import ResilienceConfig
@@ -15,6 +16,7 @@ from router.scheduling.metrics import SchedulerMetrics
 from router.scheduling.metrics_scraper import EngineMetricsStore, MetricsScraper
 from router.sync import SyncConfig, SyncNode
 from router.sync import messages as m
+from router.sync.exposition import merge
 from router.sync.peers import parse_peers, slice_addresses
 from router.sync.workers import available_cpus, cgroup_cpus, parse_workers
 from router.view import ClusterView, Endpoint
@@ -164,3 +166,33 @@ def test_worker_counts(tmp_path: Path) -> None:
     for bad in ("0", "x", "1000"):
         with pytest.raises(ValueError):
             parse_workers(bad)
+
+
+def _exposition(served: float) -> str:
+    registry = CollectorRegistry()
+    requests = Counter("pdgate_requests", "Requests.", ["status"], registry=registry)
+    requests.labels(status="200").inc(served)
+    Gauge("pdgate_ready", "Ready.", registry=registry).set(1)
+    Histogram("pdgate_ttft_seconds", "TTFT.", buckets=(0.1,), registry=registry).observe(0.05)
+    return generate_latest(registry).decode()
+
+
+def test_merged_exposition_labels_every_sample_with_its_worker() -> None:
+    text = merge({0: _exposition(3), 1: _exposition(4)}, missing=1).decode()
+    families = {(f.name, f.type): f for f in text_string_to_metric_families(text)}
+    requests = families[("pdgate_requests", "counter")]
+    by_worker = {s.labels["worker"]: s.value for s in requests.samples
+                 if s.name == "pdgate_requests_total"}
+    assert by_worker == {"0": 3.0, "1": 4.0}
+    assert all(s.labels["status"] == "200" for s in requests.samples)
+    ready = families[("pdgate_ready", "gauge")]
+    assert [(s.labels, s.value) for s in ready.samples] == [
+        ({"worker": "0"}, 1.0), ({"worker": "1"}, 1.0)]
+    buckets = [s for s in families[("pdgate_ttft_seconds", "histogram")].samples
+               if s.name == "pdgate_ttft_seconds_bucket"]
+    assert {(s.labels["worker"], s.labels["le"]) for s in buckets} == {
+        ("0", "0.1"), ("0", "+Inf"), ("1", "0.1"), ("1", "+Inf")}
+    assert text.count("# TYPE pdgate_requests_total counter") == 1
+    workers = {s.labels["state"]: s.value
+               for s in families[("pdgate_metrics_workers", "gauge")].samples}
+    assert workers == {"answered": 2.0, "missing": 1.0}

@@ -29,7 +29,6 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import orjson
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_fixed
 
@@ -42,6 +41,7 @@ from router.errors import (
     model_not_found,
     service_unavailable,
 )
+from router.http_client import ConnectionBroken, Response
 from router.load import InFlight
 from router.metrics import RouterMetrics
 from router.request import ParsedRequest
@@ -54,7 +54,7 @@ from router.security.ratelimit import TokenRateLimiter
 from router.security.usage import StreamUsage, body_completion_tokens
 from router.timing import CONTENT, Timeline
 from router.tracing import Tracing
-from router.upstream import MAX_JSON_BODY_BYTES, Upstream, read_body
+from router.upstream import MAX_JSON_BODY_BYTES, Upstream
 from router.view import ClusterView, Endpoint, ServerPods
 
 log = logging.getLogger("pdgate.proxy")
@@ -549,7 +549,7 @@ class Proxy:
         pick: Pick,
         body: dict[str, Any],
         handoff: Handoff | None,
-    ) -> aiohttp.ClientResponse:
+    ) -> Response:
         phase = "aggregated" if pick.prefill is None else "decode"
         opening = self.upstream.open(
             pick.decode, attempt.parsed.path, orjson.dumps(body), attempt.headers,
@@ -572,7 +572,7 @@ class Proxy:
             raise
 
     async def _relay(
-        self, attempt: Attempt, pick: Pick, response: aiohttp.ClientResponse, out: Responder
+        self, attempt: Attempt, pick: Pick, response: Response, out: Responder
     ) -> None:
         parsed = attempt.parsed
         headers = [
@@ -584,8 +584,8 @@ class Proxy:
             headers.append((b"x-pdgate-prefill-pod", pick.prefill.pod_name.encode()))
         if not parsed.stream:
             try:
-                raw = await read_body(response, MAX_JSON_BODY_BYTES)
-            except (aiohttp.ClientError, asyncio.IncompleteReadError):
+                raw = await response.read(MAX_JSON_BODY_BYTES)
+            except ConnectionBroken:
                 raise UpstreamError(
                     "disconnect", "The engine dropped the response.", retryable=True,
                     pod=pick.decode, phase="decode",
@@ -607,7 +607,7 @@ class Proxy:
         responses = parsed.endpoint is not None and parsed.endpoint.stream_end == "responses"
         ended = False  # a Responses stream's last event went by
         try:
-            async for chunk in response.content.iter_any():
+            while chunk := await response.readany():
                 if responses and not ended:
                     seen = end + chunk
                     ended = any(marker in seen for marker in _RESPONSE_ENDS)
@@ -636,7 +636,7 @@ class Proxy:
                     now = time.perf_counter()
                     itl.observe(now - last_at)
                     last_at = now
-        except aiohttp.ClientError:
+        except ConnectionBroken:
             if out.finished:
                 return  # the engine went away after [DONE]: the client has it all
             if not out.started:

@@ -78,6 +78,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/profile/raw"))
     parser.add_argument("--native", action="store_true", help="py-spy --native")
     parser.add_argument("--no-stream", action="store_true", help="non-streaming requests")
+    parser.add_argument("--blocking", action="store_true",
+                        help="pause the router for each sample: slower, but whole stacks (the "
+                             "default sampling often sees only the loop's bottom frame)")
     parser.add_argument("--streaming", action="store_true",
                         help="the streaming phase's workload: long streams from latency-model "
                              "pods (see --tokens, --itl-ms) instead of `--fast` pods")
@@ -98,7 +101,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             common = [_py_spy(), "record", "--pid", str(router.process.pid), "--rate",
                       str(args.rate), "--duration", str(int(args.seconds)),
                       # --native cannot sample without pausing the process
-                      *(["--native"] if args.native else ["--nonblocking"])]
+                      *(["--native"] if args.native else []),
+                      *([] if args.native or args.blocking else ["--nonblocking"])]
             raw = out / "profile.txt"
             spy = subprocess.Popen([*common, "--format", "raw", "--output", str(raw)],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -41,6 +41,7 @@ from router.errors import (
     model_not_found,
     service_unavailable,
 )
+from router.http.protocol import direct_writer
 from router.http_client import ConnectionBroken, Response
 from router.load import InFlight
 from router.metrics import RouterMetrics
@@ -84,10 +85,12 @@ class Responder:
     `clock` times the request from `arrived` (the ASGI call) for TTFT and its phases.
     """
 
-    __slots__ = ("_send", "clock", "finished", "sse_error", "started", "status")
+    __slots__ = ("_direct", "_send", "clock", "finished", "sse_error", "started", "status")
 
     def __init__(self, send: Send, arrived: float | None = None) -> None:
         self._send = send
+        #: The edge's direct write path (no ASGI message per chunk), where it applies.
+        self._direct = direct_writer(send)
         self.clock = Timeline(arrived)
         self.started = False
         self.finished = False  # the last body chunk went out
@@ -98,10 +101,16 @@ class Responder:
     async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self.started = True
         self.status = status
+        if self._direct is not None:
+            self._direct.start_direct(status, headers)  # written with the first body
+            return
         await self._send({"type": "http.response.start", "status": status, "headers": headers})
 
     async def body(self, data: bytes, more: bool = False) -> None:
         self.finished = not more
+        if self._direct is not None:
+            await self._direct.write_direct(data, more)
+            return
         await self._send({"type": "http.response.body", "body": data, "more_body": more})
 
     async def end(self, error: APIError, request_id: str | None = None) -> None:

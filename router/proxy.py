@@ -53,7 +53,7 @@ from router.routing import ModelNotFound, NoRoute, RouteDecision, resolve
 from router.scheduling import Pick, Scheduler, ScheduleRequest
 from router.security.ratelimit import TokenRateLimiter
 from router.security.usage import StreamUsage, body_completion_tokens
-from router.timing import CONTENT, Timeline
+from router.timing import Timeline, carries_content
 from router.tracing import Tracing
 from router.upstream import MAX_JSON_BODY_BYTES, Upstream
 from router.view import ClusterView, Endpoint, ServerPods
@@ -633,9 +633,10 @@ class Proxy:
                 if out.finished:
                     continue  # after [DONE]: nothing is left to send (the loop reads to EOF)
                 # The chunk that carries [DONE] ends the response itself (one write, the
-                # chunked terminator in it) unless a usage tail may still follow it.
-                await out.body(chunk, more=usage is not None or not _ends_done(end))
-                if CONTENT.search(chunk) is None:
+                # chunked terminator in it) unless part of an event is still held back.
+                await out.body(chunk, more=not _ends_done(end) or (
+                    usage is not None and usage.pending))
+                if not carries_content(chunk):
                     continue
                 if itl is None:  # the first token reached the client
                     first_at = last_at = clock.lap(attempt.first_lap)
@@ -655,7 +656,7 @@ class Proxy:
                 ) from None
             await self._cut_short(pick, out, "disconnect", "The engine dropped the stream.")
             return
-        if usage is not None and (tail := usage.finish()):
+        if usage is not None and (tail := usage.finish()) and not out.finished:
             if not out.started:
                 await out.start(response.status, headers)
             await out.body(tail, more=True)

@@ -35,6 +35,7 @@ Refusals and timeouts are counted in `pdgate_connections_refused_total{listener,
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import httptools
@@ -110,7 +111,10 @@ class EdgeProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        cycle = self.cycle
         super().connection_lost(exc)
+        if type(cycle) is EdgeCycle and cycle.disconnected:
+            cycle.client_left()
 
     def _should_upgrade(self) -> bool:
         return False  # no WebSocket, no h2c: every request is answered in HTTP/1.1
@@ -292,6 +296,14 @@ class EdgeCycle(RequestResponseCycle):
     """
 
     _held: tuple[int, list[tuple[bytes, bytes]]] | None = None
+    #: Called once if the client goes away before the response is complete: what a
+    #: task watching `receive()` for `http.disconnect` would learn, without the task.
+    on_disconnect: Callable[[], None] | None = None
+
+    def client_left(self) -> None:
+        callback, self.on_disconnect = self.on_disconnect, None
+        if callback is not None:
+            callback()
 
     def start_direct(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         if self.response_started:

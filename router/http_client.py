@@ -25,6 +25,7 @@ import asyncio
 import ssl
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Final
 
 import httptools
@@ -47,8 +48,8 @@ class Response:
     """One response: `status` and lower-cased `headers` once `request()` returns, then
     the body through `readany()` / `read()`. Release it (`release()`) when done."""
 
-    __slots__ = ("_chunks", "_complete", "_conn", "_error", "_head", "_size", "_waiter",
-                 "headers", "status")
+    __slots__ = ("_chunks", "_complete", "_conn", "_error", "_head", "_held", "_sink", "_size",
+                 "_waiter", "headers", "status")
 
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
@@ -60,6 +61,8 @@ class Response:
         self._complete = False
         self._error: ConnectionBroken | None = None
         self._waiter: asyncio.Future[None] | None = None
+        self._sink: Callable[[bytes], None] | None = None
+        self._held = False
 
     async def readany(self) -> bytes:
         """Whatever body bytes have arrived (waiting for some); b"" at the end."""
@@ -92,6 +95,47 @@ class Response:
             parts.append(block)
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
+    # --- push mode: body bytes handed to a callback as they arrive ----------------------
+
+    def stream_to(self, sink: Callable[[bytes], None] | None) -> None:
+        """Hand body bytes to `sink` from the connection's `data_received` as the parser
+        delivers them (bytes already buffered first), instead of buffering them for
+        `readany`; None goes back to buffering. See `wait` for the end of the body."""
+        self._sink = sink
+        if sink is not None and self._chunks:
+            data = b"".join(self._chunks)
+            self._chunks.clear()
+            if self._size > HIGH_WATER:
+                self._conn.resume()
+            self._size = 0
+            sink(data)
+
+    async def wait(self) -> bool:
+        """In push mode: wait until the body is complete (False) or `hold()` was called
+        (True); raises `ConnectionBroken` if the connection broke first."""
+        while not (self._complete or self._held or self._error is not None):
+            self._waiter = self._conn.loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        if self._held:
+            return True
+        if not self._complete and self._error is not None:
+            raise self._error
+        return False
+
+    def hold(self) -> None:
+        """Stop reading from the socket and wake `wait()` (the sink's consumer pushes back)."""
+        self._held = True
+        self._conn.pause()
+        self._wake()
+
+    def unhold(self) -> None:
+        self._held = False
+        if self._size <= HIGH_WATER:
+            self._conn.resume()
+
     def release(self) -> None:
         """Give the connection back (response read to its end) or close it."""
         conn = self._conn
@@ -104,6 +148,9 @@ class Response:
     # --- fed by the connection --------------------------------------------------------
 
     def _feed(self, data: bytes) -> None:
+        if self._sink is not None:
+            self._sink(data)
+            return
         self._chunks.append(data)
         self._size += len(data)
         if self._size > HIGH_WATER:
@@ -156,7 +203,7 @@ class Connection(asyncio.Protocol):
             self.transport.close()
 
     def pause(self) -> None:
-        if not self._paused and self.transport is not None:
+        if not self._paused and self.transport is not None and not self.closed:
             self._paused = True
             self.transport.pause_reading()
 

@@ -41,10 +41,11 @@ from router.errors import (
     model_not_found,
     service_unavailable,
 )
-from router.http.protocol import direct_writer
+from router.http.protocol import EdgeCycle, direct_writer
 from router.http_client import ConnectionBroken, Response
 from router.load import InFlight
 from router.metrics import RouterMetrics
+from router.relay import StreamRelay
 from router.request import ParsedRequest
 from router.resilience.config import ResilienceConfig
 from router.resilience.ejection import OutlierDetector, without_ejected
@@ -53,7 +54,7 @@ from router.routing import ModelNotFound, NoRoute, RouteDecision, resolve
 from router.scheduling import Pick, Scheduler, ScheduleRequest
 from router.security.ratelimit import TokenRateLimiter
 from router.security.usage import StreamUsage, body_completion_tokens
-from router.timing import Timeline, carries_content
+from router.timing import Timeline
 from router.tracing import Tracing
 from router.upstream import MAX_JSON_BODY_BYTES, Upstream
 from router.view import ClusterView, Endpoint, ServerPods
@@ -69,12 +70,6 @@ FORWARD_AUTH_ANNOTATION = "pdgate.io/forward-authorization"
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 #: Failures that say nothing about the pod (the client's input, our own config).
 _NOT_THE_PODS_FAULT = frozenset(("bad_config",))
-_DONE = b"data: [DONE]"
-#: How many bytes of a stream's end are kept to check that it ended with `[DONE]`.
-_TAIL = 32
-#: The Responses API's last event (vLLM sends no `[DONE]` after it): any of these.
-_RESPONSE_ENDS = (b"event: response.completed", b"event: response.incomplete",
-                  b"event: response.failed")
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
@@ -112,6 +107,17 @@ class Responder:
             await self._direct.write_direct(data, more)
             return
         await self._send({"type": "http.response.body", "body": data, "more_body": more})
+
+    @property
+    def direct(self) -> EdgeCycle | None:
+        """The edge's direct write path, if it serves this response (see `write_now`)."""
+        return self._direct
+
+    def write_now(self, data: bytes, more: bool) -> None:
+        """`body` on the direct path, from a callback: written at once, no drain wait."""
+        assert self._direct is not None
+        self.finished = not more
+        self._direct.write_now(data, more)
 
     async def end(self, error: APIError, request_id: str | None = None) -> None:
         """End the response with `error`, whatever the client has seen of it so far.
@@ -609,43 +615,25 @@ class Proxy:
             usage = StreamUsage(hide=not parsed.include_usage)
             if attempt.track_usage:
                 attempt.usage = usage
-        clock = out.clock
-        itl = None  # the ITL histogram child, once the first content went out
-        first_at = last_at = 0.0
-        end = b""  # the stream's last bytes, to check it ended with [DONE]
         responses = parsed.endpoint is not None and parsed.endpoint.stream_end == "responses"
-        ended = False  # a Responses stream's last event went by
+        relay = StreamRelay(self.metrics, parsed.model, out.clock, attempt.first_lap, usage,
+                            responses)
         try:
+            # Through this task until the response has started; then, on the edge's direct
+            # path, by callback from the upstream connection (router/relay.py).
             while chunk := await response.readany():
-                if responses and not ended:
-                    seen = end + chunk
-                    ended = any(marker in seen for marker in _RESPONSE_ENDS)
-                if len(chunk) >= _TAIL:
-                    end = chunk
-                else:
-                    end = (end + chunk)[-_TAIL:]
-                if usage is not None:
-                    chunk = usage.feed(chunk)
-                    if not chunk:
-                        continue
+                step = relay.take(chunk)
+                if step is None:
+                    continue
                 if not out.started:
                     await out.start(response.status, headers)
                 if out.finished:
                     continue  # after [DONE]: nothing is left to send (the loop reads to EOF)
-                # The chunk that carries [DONE] ends the response itself (one write, the
-                # chunked terminator in it) unless part of an event is still held back.
-                await out.body(chunk, more=not _ends_done(end) or (
-                    usage is not None and usage.pending))
-                if not carries_content(chunk):
-                    continue
-                if itl is None:  # the first token reached the client
-                    first_at = last_at = clock.lap(attempt.first_lap)
-                    self.metrics.first_token(parsed.model, first_at - clock.arrived, clock.laps)
-                    itl = self.metrics.inter_token(parsed.model)
-                else:
-                    now = time.perf_counter()
-                    itl.observe(now - last_at)
-                    last_at = now
+                await out.body(*step)
+                relay.sent(step[0])
+                if out.direct is not None and not out.finished:
+                    await relay.run(response, out, out.direct.flow)
+                    break
         except ConnectionBroken:
             if out.finished:
                 return  # the engine went away after [DONE]: the client has it all
@@ -665,14 +653,15 @@ class Proxy:
                 "empty_response", "The engine closed the stream without data.",
                 retryable=True, pod=pick.decode, phase="decode",
             )
-        if not (ended if responses else _ends_done(end)):
+        if not relay.complete:
             await self._cut_short(pick, out, "truncated", "The engine ended the stream early.")
             return
         if not out.finished:
             await out.body(b"")
         tokens = usage.tokens if usage is not None else None
-        if tokens is not None and tokens > 1 and last_at > first_at:
-            self.metrics.output_rate(parsed.model, (tokens - 1) / (last_at - first_at))
+        if tokens is not None and tokens > 1 and relay.last_at > relay.first_at:
+            self.metrics.output_rate(parsed.model,
+                                     (tokens - 1) / (relay.last_at - relay.first_at))
 
     async def _cut_short(self, pick: Pick, out: Responder, reason: str, message: str) -> None:
         """End a stream the engine broke off: an error event (and `[DONE]` where the API
@@ -720,11 +709,6 @@ async def _finish_prefill(task: asyncio.Task[Any]) -> None:
         await task
     except (asyncio.CancelledError, UpstreamError):
         pass
-
-
-def _ends_done(tail: bytes) -> bool:
-    """Whether a stream's last bytes are its `data: [DONE]` event."""
-    return tail.rstrip().endswith(_DONE)
 
 
 def _kv_lost(exc: UpstreamError) -> bool:

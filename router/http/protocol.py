@@ -315,6 +315,11 @@ class EdgeCycle(RequestResponseCycle):
     async def write_direct(self, body: bytes, more: bool) -> None:
         if self.flow.write_paused and not self.disconnected:
             await self.flow.drain()
+        self.write_now(body, more)
+
+    def write_now(self, body: bytes, more: bool) -> None:
+        """`write_direct` without waiting for the client to drain: the caller watches
+        `flow.write_paused` itself (the stream relay pauses its upstream instead)."""
         if self.disconnected:
             return
         if self.response_complete:

@@ -271,3 +271,50 @@ def test_header_values_with_line_breaks_are_refused() -> None:
     with pytest.raises(ValueError):
         request_head(pod, "/v1/completions", {"x-request-id": "a\r\nx-evil: 1"}, 2)
     assert b"host: [::1]:8000" in request_head(_Pod("::1", 8000), "/", {}, 0)
+
+
+async def test_push_mode_hands_chunks_to_the_sink_as_they_arrive(server: Server) -> None:
+    pool = _pool()
+    response = await _post(pool, server, "/stream")
+    received: list[bytes] = []
+    response.stream_to(received.append)
+    assert await response.wait() is False  # the body ended
+    response.stream_to(None)
+    assert b"".join(received) == b"data: 0\n\ndata: 1\n\ndata: 2\n\n"
+    assert len(received) >= 2
+    response.release()
+    await pool.close()
+
+
+async def test_push_mode_holds_reading_while_the_consumer_pushes_back(server: Server) -> None:
+    pool = _pool()
+    response = await _post(pool, server, "/big")
+    received: list[bytes] = []
+
+    def sink(data: bytes) -> None:
+        received.append(data)
+        response.hold()  # as the relay does when the client's socket is full
+
+    response.stream_to(sink)
+    assert await response.wait() is True  # woken by the hold
+    await asyncio.sleep(0.2)
+    held = sum(map(len, received))
+    assert held < BIG  # reading stopped: nothing more came while held
+    response.stream_to(received.append)
+    response.unhold()
+    assert await response.wait() is False
+    assert sum(map(len, received)) == BIG
+    response.release()
+    await pool.close()
+
+
+async def test_push_mode_raises_when_the_stream_breaks(server: Server) -> None:
+    pool = _pool()
+    response = await _post(pool, server, "/cut")
+    received: list[bytes] = []
+    response.stream_to(received.append)
+    with pytest.raises(ConnectionBroken):
+        await response.wait()
+    assert b"".join(received) == b"data: "
+    response.release()
+    await pool.close()

@@ -54,8 +54,9 @@ def top_functions(collapsed: str, limit: int = 30) -> tuple[list[tuple[str, int]
 
 
 async def _drive(router: RunningRouter, seconds: float, concurrency: int,
-                 stream: bool = True) -> str:
-    workload = overhead(OverheadParams(requests=200_000), MODEL, 0, stream)
+                 stream: bool = True, output_tokens: int = 4) -> str:
+    params = OverheadParams(requests=200_000, output_tokens=output_tokens)
+    workload = overhead(params, MODEL, 0, stream)
     await run_closed(router.target, workload.sessions[:200], 8, LoadLimits(10.0))
     before = router.cpu_seconds() or 0.0
     load = await run_closed(router.target, workload.sessions, concurrency,
@@ -77,23 +78,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/profile/raw"))
     parser.add_argument("--native", action="store_true", help="py-spy --native")
     parser.add_argument("--no-stream", action="store_true", help="non-streaming requests")
+    parser.add_argument("--blocking", action="store_true",
+                        help="pause the router for each sample: slower, but whole stacks (the "
+                             "default sampling often sees only the loop's bottom frame)")
+    parser.add_argument("--streaming", action="store_true",
+                        help="the streaming phase's workload: long streams from latency-model "
+                             "pods (see --tokens, --itl-ms) instead of `--fast` pods")
+    parser.add_argument("--tokens", type=int, default=256, help="output tokens (--streaming)")
+    parser.add_argument("--itl-ms", type=float, default=5.0, help="pods' ITL (--streaming)")
     args = parser.parse_args(argv)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     mode = cast(Mode, args.mode)
-    with SimCluster(ClusterShape(mode, 1 if mode == "pd" else 2, fast=True), out / "logs") as c:
+    size = 1 if mode == "pd" else 2
+    shape = (ClusterShape(mode, size, sim_flags=("--itl-ms", f"{args.itl_ms:g}",
+                                                 "--itl-per-running-ms", "0"))
+             if args.streaming else ClusterShape(mode, size, fast=True))
+    with SimCluster(shape, out / "logs") as c:
         spec = pdgate_specs([args.policy], prefill_ms_per_token=0.1)[0]
         with RunningRouter(spec, c, out) as router:
             assert router.process is not None
             common = [_py_spy(), "record", "--pid", str(router.process.pid), "--rate",
-                      str(args.rate), "--duration", str(int(args.seconds)), "--nonblocking",
-                      *(["--native"] if args.native else [])]
+                      str(args.rate), "--duration", str(int(args.seconds)),
+                      # --native cannot sample without pausing the process
+                      *(["--native"] if args.native else []),
+                      *([] if args.native or args.blocking else ["--nonblocking"])]
             raw = out / "profile.txt"
             spy = subprocess.Popen([*common, "--format", "raw", "--output", str(raw)],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             try:
                 line = asyncio.run(_drive(router, args.seconds, args.concurrency,
-                                           not args.no_stream))
+                                           not args.no_stream,
+                                           args.tokens if args.streaming else 4))
             finally:
                 spy.wait(timeout=args.seconds + 30)
     print(line)

@@ -35,6 +35,7 @@ from starlette.convertors import Convertor, register_url_convertor
 
 from router import control_errors
 from router.errors import APIError, method_not_allowed, model_not_found
+from router.http.protocol import EdgeCycle, direct_writer
 from router.proxy import Responder
 from router.request import (
     ENDPOINTS,
@@ -165,7 +166,7 @@ class PDGateApp:
                 work = self._admitted(parsed, headers, out, model)
             else:
                 work = state.proxy.serve(parsed, headers, out)
-            await _until_disconnect(work, receive, out)
+            await _until_disconnect(work, receive, out, direct_writer(send))
         except APIError as exc:
             if not out.started:
                 await out.error(exc)
@@ -228,29 +229,41 @@ async def _read_body(receive: Receive, limit: int) -> bytes | None:
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-async def _until_disconnect(work: Awaitable[None], receive: Receive, out: Responder) -> None:
-    """Run `work` in this task while a watcher task listens on `receive()`.
+async def _until_disconnect(
+    work: Awaitable[None], receive: Receive, out: Responder, cycle: EdgeCycle | None
+) -> None:
+    """Run `work` in this task while watching for the client going away.
 
     uvicorn reports a disconnect only through `receive()`. One that comes before the
     response is finished cancels this task, which cancels prefill and decode upstream and
     releases every counter on the way out. (uvicorn also answers `http.disconnect` once
     the response is finished: that is no client gone, and the clean-up left runs.)
     Running `work` here rather than in a task of its own keeps one task per request off
-    the hot path.
+    the hot path; on the edge's own cycle (`cycle`) the connection calls back on a
+    disconnect, so no watcher task is needed either.
     """
     this = asyncio.current_task()
     assert this is not None
     gone = False
 
-    async def watch() -> None:
+    def client_left() -> None:
         nonlocal gone
-        while (await receive())["type"] != "http.disconnect":
-            pass
         if not out.finished:
             gone = True
             this.cancel()
 
-    watcher = asyncio.get_running_loop().create_task(watch())
+    async def watch() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        client_left()
+
+    watcher = None
+    if cycle is not None:
+        cycle.on_disconnect = client_left
+        if cycle.disconnected:  # it left before the watch began
+            cycle.client_left()
+    else:
+        watcher = asyncio.get_running_loop().create_task(watch())
     try:
         await work
     except asyncio.CancelledError:
@@ -259,7 +272,10 @@ async def _until_disconnect(work: Awaitable[None], receive: Receive, out: Respon
         this.uncancel()
         raise ClientGone from None
     finally:
-        watcher.cancel()
+        if watcher is not None:
+            watcher.cancel()
+        elif cycle is not None:
+            cycle.on_disconnect = None
 
 
 def build_control_plane(state: AppState, ops: bool = True) -> FastAPI:

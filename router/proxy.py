@@ -29,7 +29,6 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import orjson
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_fixed
 
@@ -42,8 +41,11 @@ from router.errors import (
     model_not_found,
     service_unavailable,
 )
+from router.http.protocol import EdgeCycle, direct_writer
+from router.http_client import ConnectionBroken, Response
 from router.load import InFlight
 from router.metrics import RouterMetrics
+from router.relay import StreamRelay
 from router.request import ParsedRequest
 from router.resilience.config import ResilienceConfig
 from router.resilience.ejection import OutlierDetector, without_ejected
@@ -52,9 +54,9 @@ from router.routing import ModelNotFound, NoRoute, RouteDecision, resolve
 from router.scheduling import Pick, Scheduler, ScheduleRequest
 from router.security.ratelimit import TokenRateLimiter
 from router.security.usage import StreamUsage, body_completion_tokens
-from router.timing import CONTENT, Timeline
+from router.timing import Timeline
 from router.tracing import Tracing
-from router.upstream import MAX_JSON_BODY_BYTES, Upstream, read_body
+from router.upstream import MAX_JSON_BODY_BYTES, Upstream
 from router.view import ClusterView, Endpoint, ServerPods
 
 log = logging.getLogger("pdgate.proxy")
@@ -68,12 +70,6 @@ FORWARD_AUTH_ANNOTATION = "pdgate.io/forward-authorization"
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 #: Failures that say nothing about the pod (the client's input, our own config).
 _NOT_THE_PODS_FAULT = frozenset(("bad_config",))
-_DONE = b"data: [DONE]"
-#: How many bytes of a stream's end are kept to check that it ended with `[DONE]`.
-_TAIL = 32
-#: The Responses API's last event (vLLM sends no `[DONE]` after it): any of these.
-_RESPONSE_ENDS = (b"event: response.completed", b"event: response.incomplete",
-                  b"event: response.failed")
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
@@ -84,10 +80,12 @@ class Responder:
     `clock` times the request from `arrived` (the ASGI call) for TTFT and its phases.
     """
 
-    __slots__ = ("_send", "clock", "finished", "sse_error", "started", "status")
+    __slots__ = ("_direct", "_send", "clock", "finished", "sse_error", "started", "status")
 
     def __init__(self, send: Send, arrived: float | None = None) -> None:
         self._send = send
+        #: The edge's direct write path (no ASGI message per chunk), where it applies.
+        self._direct = direct_writer(send)
         self.clock = Timeline(arrived)
         self.started = False
         self.finished = False  # the last body chunk went out
@@ -98,11 +96,28 @@ class Responder:
     async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self.started = True
         self.status = status
+        if self._direct is not None:
+            self._direct.start_direct(status, headers)  # written with the first body
+            return
         await self._send({"type": "http.response.start", "status": status, "headers": headers})
 
     async def body(self, data: bytes, more: bool = False) -> None:
         self.finished = not more
+        if self._direct is not None:
+            await self._direct.write_direct(data, more)
+            return
         await self._send({"type": "http.response.body", "body": data, "more_body": more})
+
+    @property
+    def direct(self) -> EdgeCycle | None:
+        """The edge's direct write path, if it serves this response (see `write_now`)."""
+        return self._direct
+
+    def write_now(self, data: bytes, more: bool) -> None:
+        """`body` on the direct path, from a callback: written at once, no drain wait."""
+        assert self._direct is not None
+        self.finished = not more
+        self._direct.write_now(data, more)
 
     async def end(self, error: APIError, request_id: str | None = None) -> None:
         """End the response with `error`, whatever the client has seen of it so far.
@@ -552,7 +567,7 @@ class Proxy:
         pick: Pick,
         body: dict[str, Any],
         handoff: Handoff | None,
-    ) -> aiohttp.ClientResponse:
+    ) -> Response:
         phase = "aggregated" if pick.prefill is None else "decode"
         opening = self.upstream.open(
             pick.decode, attempt.parsed.path, orjson.dumps(body), attempt.headers,
@@ -575,7 +590,7 @@ class Proxy:
             raise
 
     async def _relay(
-        self, attempt: Attempt, pick: Pick, response: aiohttp.ClientResponse, out: Responder
+        self, attempt: Attempt, pick: Pick, response: Response, out: Responder
     ) -> None:
         parsed = attempt.parsed
         headers = [
@@ -587,8 +602,8 @@ class Proxy:
             headers.append((b"x-pdgate-prefill-pod", pick.prefill.pod_name.encode()))
         if not parsed.stream:
             try:
-                raw = await read_body(response, MAX_JSON_BODY_BYTES)
-            except (aiohttp.ClientError, asyncio.IncompleteReadError):
+                raw = await response.read(MAX_JSON_BODY_BYTES)
+            except ConnectionBroken:
                 raise UpstreamError(
                     "disconnect", "The engine dropped the response.", retryable=True,
                     pod=pick.decode, phase="decode",
@@ -603,43 +618,26 @@ class Proxy:
             usage = StreamUsage(hide=not parsed.include_usage)
             if attempt.track_usage:
                 attempt.usage = usage
-        clock = out.clock
-        itl = None  # the ITL histogram child, once the first content went out
-        first_at = last_at = 0.0
-        end = b""  # the stream's last bytes, to check it ended with [DONE]
         responses = parsed.endpoint is not None and parsed.endpoint.stream_end == "responses"
-        ended = False  # a Responses stream's last event went by
+        relay = StreamRelay(self.metrics, parsed.model, out.clock, attempt.first_lap, usage,
+                            responses)
         try:
-            async for chunk in response.content.iter_any():
-                if responses and not ended:
-                    seen = end + chunk
-                    ended = any(marker in seen for marker in _RESPONSE_ENDS)
-                if len(chunk) >= _TAIL:
-                    end = chunk
-                else:
-                    end = (end + chunk)[-_TAIL:]
-                if usage is not None:
-                    chunk = usage.feed(chunk)
-                    if not chunk:
-                        continue
+            # Through this task until the response has started; then, on the edge's direct
+            # path, by callback from the upstream connection (router/relay.py).
+            while chunk := await response.readany():
+                step = relay.take(chunk)
+                if step is None:
+                    continue
                 if not out.started:
                     await out.start(response.status, headers)
                 if out.finished:
                     continue  # after [DONE]: nothing is left to send (the loop reads to EOF)
-                # The chunk that carries [DONE] ends the response itself (one write, the
-                # chunked terminator in it) unless a usage tail may still follow it.
-                await out.body(chunk, more=usage is not None or not _ends_done(end))
-                if CONTENT.search(chunk) is None:
-                    continue
-                if itl is None:  # the first token reached the client
-                    first_at = last_at = clock.lap(attempt.first_lap)
-                    self.metrics.first_token(parsed.model, first_at - clock.arrived, clock.laps)
-                    itl = self.metrics.inter_token(parsed.model)
-                else:
-                    now = time.perf_counter()
-                    itl.observe(now - last_at)
-                    last_at = now
-        except aiohttp.ClientError:
+                await out.body(*step)
+                relay.sent(step[0])
+                if out.direct is not None and not out.finished:
+                    await relay.run(response, out, out.direct.flow)
+                    break
+        except ConnectionBroken:
             if out.finished:
                 return  # the engine went away after [DONE]: the client has it all
             if not out.started:
@@ -649,7 +647,7 @@ class Proxy:
                 ) from None
             await self._cut_short(pick, out, "disconnect", "The engine dropped the stream.")
             return
-        if usage is not None and (tail := usage.finish()):
+        if usage is not None and (tail := usage.finish()) and not out.finished:
             if not out.started:
                 await out.start(response.status, headers)
             await out.body(tail, more=True)
@@ -658,14 +656,15 @@ class Proxy:
                 "empty_response", "The engine closed the stream without data.",
                 retryable=True, pod=pick.decode, phase="decode",
             )
-        if not (ended if responses else _ends_done(end)):
+        if not relay.complete:
             await self._cut_short(pick, out, "truncated", "The engine ended the stream early.")
             return
         if not out.finished:
             await out.body(b"")
         tokens = usage.tokens if usage is not None else None
-        if tokens is not None and tokens > 1 and last_at > first_at:
-            self.metrics.output_rate(parsed.model, (tokens - 1) / (last_at - first_at))
+        if tokens is not None and tokens > 1 and relay.last_at > relay.first_at:
+            self.metrics.output_rate(parsed.model,
+                                     (tokens - 1) / (relay.last_at - relay.first_at))
 
     async def _cut_short(self, pick: Pick, out: Responder, reason: str, message: str) -> None:
         """End a stream the engine broke off: an error event (and `[DONE]` where the API
@@ -713,11 +712,6 @@ async def _finish_prefill(task: asyncio.Task[Any]) -> None:
         await task
     except (asyncio.CancelledError, UpstreamError):
         pass
-
-
-def _ends_done(tail: bytes) -> bool:
-    """Whether a stream's last bytes are its `data: [DONE]` event."""
-    return tail.rstrip().endswith(_DONE)
 
 
 def _kv_lost(exc: UpstreamError) -> bool:

@@ -29,10 +29,23 @@ import re
 import time
 
 #: A chunk that carries generated content: text, reasoning, or a tool call. Empty
-#: strings (the role chunk's `"content":""`) do not count.
+#: strings (the role chunk's `"content":""`) do not count. (The reference definition;
+#: `carries_content` answers the same question several times faster, once per chunk.)
 CONTENT = re.compile(
     rb'"(?:content|text|reasoning_content|reasoning)":\s*"[^"]|"tool_calls":\s*\[\s*\{'
 )
+#: The compact forms engines write (no blank after the colon), found with `bytes.find`.
+_COMPACT = (b'"content":"', b'"text":"')
+
+
+def carries_content(chunk: bytes) -> bool:
+    """Whether `chunk` matches `CONTENT`, with a `bytes.find` fast path for the common
+    content chunk (the regex tries its alternation at every quote of the chunk)."""
+    for key in _COMPACT:
+        at = chunk.find(key) + len(key)
+        if at >= len(key) and at < len(chunk) and chunk[at] != 0x22:  # not `""`
+            return True
+    return CONTENT.search(chunk) is not None
 
 
 class Timeline:

@@ -1,8 +1,11 @@
-"""The one place the router talks HTTP to engines (aiohttp).
+"""The one place the router talks HTTP to engines.
 
-aiohttp costs a fraction of httpx's client CPU per request (see ENGINEERING.md), so the
-data path uses it behind this small module. Every failure becomes an `UpstreamError`
-whose message is safe for a client: no address, no upstream body.
+Requests on the data path (`open`, `post_json`: decode, prefill) go through our own lean
+HTTP/1.1 client (`router.http_client`: a keep-alive pool on asyncio + httptools), which
+costs a fraction of aiohttp's client CPU per request and per streamed chunk. The rare
+control calls (health probes, a bootstrap server's `/query`) keep an aiohttp session.
+Every failure becomes an `UpstreamError` whose message is safe for a client: no
+address, no upstream body.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import orjson
 
 from kv_connectors.base import PodAddress, UpstreamError
 from router.errors import upstream_message
+from router.http_client import ConnectionBroken, Pool, Response
 
 MAX_CONNECTIONS = 1024
 MAX_CONNECTIONS_PER_POD = 256
@@ -27,10 +31,19 @@ MAX_JSON_BODY_BYTES = 64 * 1024 * 1024
 
 
 class Upstream:
-    """An aiohttp session with named bounds, plus the calls the proxy and connectors make."""
+    """The data path's connection pool and a control-path aiohttp session, both with
+    named bounds, plus the calls the proxy and connectors make."""
 
     def __init__(self) -> None:
         self._session: aiohttp.ClientSession | None = None
+        self._pool: Pool | None = None
+
+    @property
+    def pool(self) -> Pool:
+        if self._pool is None:
+            self._pool = Pool(MAX_CONNECTIONS, MAX_CONNECTIONS_PER_POD, KEEPALIVE_SECONDS,
+                              CONNECT_TIMEOUT_SECONDS)
+        return self._pool
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -54,6 +67,9 @@ class Upstream:
         return self._session
 
     async def close(self) -> None:
+        if self._pool is not None:
+            await self._pool.close()
+            self._pool = None
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -66,27 +82,25 @@ class Upstream:
         headers: Mapping[str, str],
         deadline: float,
         phase: str,
-    ) -> aiohttp.ClientResponse:
+    ) -> Response:
         """POST and return the response once its status is 2xx (the caller releases it).
 
         Non-2xx answers are read (bounded), released and raised as `UpstreamError`.
+        The caller's deadline (`asyncio.timeout_at` around the whole request) bounds it;
+        connecting is bounded by `CONNECT_TIMEOUT_SECONDS`.
         """
         _remaining(deadline, phase, pod)  # fail fast once the deadline has passed
+        scheme = "https" if pod.base_url.startswith("https:") else "http"
         try:
-            # The session's timeout (connect only) applies; the caller's deadline bounds
-            # the rest, so no timeout object is built per call.
-            response = await self.session.post(pod.base_url + path, data=body, headers=headers)
-        except TimeoutError:
-            raise UpstreamError(
-                "timeout", "The engine did not answer in time.", retryable=True,
-                pod=pod, phase=phase,
-            ) from None
-        except aiohttp.ClientError as exc:
+            response = await self.pool.request(
+                scheme, pod.ip, pod.port, request_head(pod, path, headers, len(body)), body
+            )
+        except ConnectionBroken as exc:
             raise _connect_error(exc, pod, phase) from None
         if response.status >= 300:
             try:
-                raw = await response.content.read(MAX_ERROR_BODY_BYTES)
-            except (TimeoutError, aiohttp.ClientError):
+                raw = await response.read(MAX_ERROR_BODY_BYTES)
+            except ConnectionBroken:
                 raw = b""
             finally:
                 response.release()
@@ -107,8 +121,8 @@ class Upstream:
         """
         response = await self.open(pod, path, orjson.dumps(body), headers, deadline, "prefill")
         try:
-            raw = await response.read()
-        except aiohttp.ClientError as exc:
+            raw = await response.read(MAX_JSON_BODY_BYTES)
+        except ConnectionBroken as exc:
             raise _connect_error(exc, pod, "prefill") from None
         finally:
             response.release()
@@ -149,22 +163,21 @@ class Upstream:
             ) from None
 
 
-async def read_body(response: aiohttp.ClientResponse, limit: int) -> bytes:
-    """The whole body, up to `limit` bytes (`content.read(n)` may return only part of it).
+def request_head(pod: PodAddress, path: str, headers: Mapping[str, str], length: int) -> bytes:
+    """A POST's head as bytes: request line, host, length, the given headers.
 
-    Raises `aiohttp.ClientPayloadError` past the limit, like any other broken body.
+    A value carrying CR or LF would split the head (request smuggling toward the engine):
+    such a header is refused with `ValueError` (the proxy only forwards values llhttp
+    parsed from one header line, so none should).
     """
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        block = await response.content.readany()
-        if not block:
-            break
-        size += len(block)
-        if size > limit:
-            raise aiohttp.ClientPayloadError(f"response body over {limit} bytes")
-        chunks.append(block)
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    host = f"[{pod.ip}]:{pod.port}" if ":" in pod.ip else f"{pod.ip}:{pod.port}"
+    lines = [f"POST {path} HTTP/1.1\r\nhost: {host}\r\ncontent-length: {length}\r\n"]
+    for name, value in headers.items():
+        if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
+            raise ValueError(f"header {name!r} carries a line break")
+        lines.append(f"{name}: {value}\r\n")
+    lines.append("\r\n")
+    return "".join(lines).encode("latin-1")
 
 
 def status_error(status: int, raw: bytes, pod: PodAddress | None, phase: str) -> UpstreamError:

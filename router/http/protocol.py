@@ -23,6 +23,11 @@ connection and never per chunk:
   gets a 503 with `Retry-After` and is closed at once.
 - **HTTP/1.0.** A 1.0 client cannot read chunked encoding: an answer without a
   Content-Length is sent close-delimited (`connection: close`, the close ends it).
+- **A direct write path.** An HTTP/1.1 request's cycle is an `EdgeCycle`: besides the
+  ASGI `send`, it lets the data path (`direct_writer`) write its answer without a
+  message dict and two coroutines per chunk, and with the head held back until the first
+  body bytes, so the head and the first chunk leave in one write (one syscall); an answer
+  whose first body is also its last goes out with a Content-Length, in one write.
 
 Refusals and timeouts are counted in `pdgate_connections_refused_total{listener,reason}`.
 """
@@ -30,10 +35,16 @@ Refusals and timeouts are counted in `pdgate_connections_refused_total{listener,
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import httptools
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+from uvicorn.protocols.http.httptools_impl import (
+    HEADER_VALUE_RE,
+    STATUS_LINE,
+    HttpToolsProtocol,
+    RequestResponseCycle,
+)
 
 from router.errors import APIError
 from router.http.config import EdgeConfig
@@ -100,7 +111,10 @@ class EdgeProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        cycle = self.cycle
         super().connection_lost(exc)
+        if type(cycle) is EdgeCycle and cycle.disconnected:
+            cycle.client_left()
 
     def _should_upgrade(self) -> bool:
         return False  # no WebSocket, no h2c: every request is answered in HTTP/1.1
@@ -180,8 +194,9 @@ class EdgeProtocol(HttpToolsProtocol):
         if self.parser.should_upgrade():
             self._upgrade_skipped_body = True  # see `_read_body_as_body`
         super().on_headers_complete()
-        if self.scope["http_version"] == "1.0" and self.cycle.scope is self.scope:
-            self.cycle.__class__ = Http10Cycle  # before its task first runs
+        if self.cycle.scope is self.scope:  # before its task first runs:
+            is_10 = self.scope["http_version"] == "1.0"
+            self.cycle.__class__ = Http10Cycle if is_10 else EdgeCycle
 
     def on_message_complete(self) -> None:
         if self._upgrade_skipped_body:
@@ -269,6 +284,98 @@ class Http10Cycle(RequestResponseCycle):
             self.message_event.set()
             self.transport.close()
             self.on_response()
+
+
+class EdgeCycle(RequestResponseCycle):
+    """An HTTP/1.1 request's cycle, with the direct write path of the module docstring.
+
+    `start_direct` takes the status and headers and writes nothing; `write_direct` writes
+    the head (if still held) and a body chunk in one `transport.write`. Both keep the
+    cycle's state (`response_started`, `response_complete`, flow control, keep-alive) as
+    uvicorn's `send` would, so the rest of the protocol cannot tell the paths apart.
+    """
+
+    _held: tuple[int, list[tuple[bytes, bytes]]] | None = None
+    #: Called once if the client goes away before the response is complete: what a
+    #: task watching `receive()` for `http.disconnect` would learn, without the task.
+    on_disconnect: Callable[[], None] | None = None
+
+    def client_left(self) -> None:
+        callback, self.on_disconnect = self.on_disconnect, None
+        if callback is not None:
+            callback()
+
+    def start_direct(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        if self.response_started:
+            raise RuntimeError("the response has already started")
+        self.response_started = True
+        self.waiting_for_100_continue = False
+        self._held = (status, headers)
+
+    async def write_direct(self, body: bytes, more: bool) -> None:
+        if self.flow.write_paused and not self.disconnected:
+            await self.flow.drain()
+        self.write_now(body, more)
+
+    def write_now(self, body: bytes, more: bool) -> None:
+        """`write_direct` without waiting for the client to drain: the caller watches
+        `flow.write_paused` itself (the stream relay pauses its upstream instead)."""
+        if self.disconnected:
+            return
+        if self.response_complete:
+            raise RuntimeError("the response is already complete")
+        if self._held is not None:
+            out = self._head(body, more)
+        elif body:
+            out = b"%x\r\n%b\r\n" % (len(body), body)
+        else:
+            out = b""
+        if not more:
+            if self.chunked_encoding:
+                out += b"0\r\n\r\n"
+            self.transport.write(out)
+            self.response_complete = True
+            self.message_event.set()
+            if not self.keep_alive:
+                self.transport.close()
+            self.on_response()
+        elif out:
+            self.transport.write(out)
+
+    def _head(self, body: bytes, more: bool) -> bytes:
+        """The held head and `body`: Content-Length when this body is the whole answer,
+        else chunked with `body` as the first chunk."""
+        assert self._held is not None
+        status, headers = self._held
+        self._held = None
+        if self.access_log:
+            self.access_logger.info('%s - "%s %s HTTP/1.1" %d', self.scope.get("client"),
+                                    self.scope["method"], self.scope["path"], status)
+        lines = [STATUS_LINE[status]]
+        for name, value in (*self.default_headers, *headers):
+            if HEADER_VALUE_RE.search(value):
+                raise RuntimeError("Invalid HTTP header value.")
+            lines += (name, b": ", value, b"\r\n")
+        if not self.keep_alive:
+            lines.append(b"connection: close\r\n")
+        if not more:
+            self.chunked_encoding = False
+            lines += (b"content-length: %d\r\n\r\n" % len(body), body)
+        else:
+            self.chunked_encoding = True
+            lines.append(b"transfer-encoding: chunked\r\n\r\n")
+            if body:
+                lines += (b"%x\r\n" % len(body), body, b"\r\n")
+        return b"".join(lines)
+
+
+def direct_writer(send: Any) -> EdgeCycle | None:
+    """The `EdgeCycle` behind an ASGI `send`, when its direct write path may be used
+    (an HTTP/1.1 request other than HEAD); None otherwise (use `send`)."""
+    cycle = getattr(send, "__self__", None)
+    if type(cycle) is EdgeCycle and cycle.scope["method"] != "HEAD":
+        return cycle
+    return None
 
 
 def protocol_class(edge: EdgeConfig, metrics: ListenerMetrics) -> type[EdgeProtocol]:

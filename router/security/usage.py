@@ -51,6 +51,11 @@ class StreamUsage:
         self._tail = b""
 
     @property
+    def pending(self) -> bool:
+        """Whether part of an event is held back (`feed` passes on whole events only)."""
+        return bool(self._tail)
+
+    @property
     def charged(self) -> int:
         """What to charge: the engine's count, else one token per data event."""
         return self.tokens if self.tokens is not None else max(0, self.events - 1)

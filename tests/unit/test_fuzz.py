@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -219,31 +219,29 @@ def test_loader_on_mutated_manifests(data: st.DataObject) -> None:
 # --- the data path, in-process ----------------------------------------------------------
 
 
-class StubContent:
-    def __init__(self, chunks: list[bytes]) -> None:
-        self._chunks = list(chunks)
-
-    async def readany(self) -> bytes:
-        return self._chunks.pop(0) if self._chunks else b""
-
-    async def iter_any(self) -> AsyncIterator[bytes]:
-        while self._chunks:
-            yield self._chunks.pop(0)
-
-
 class StubResponse:
+    """`router.http_client.Response` as the proxy reads it: status, headers, body."""
+
     def __init__(self, stream: bool) -> None:
         self.status = 200
         if stream:
             self.headers = {"content-type": "text/event-stream"}
             chunk = b'data: {"choices":[{"index":0,"delta":{"content":"ok"}}]}\n\n'
             usage = b'data: {"choices":[],"usage":{"completion_tokens":1}}\n\n'
-            self.content = StubContent([chunk, usage, b"data: [DONE]\n\n"])
+            self._chunks = [chunk, usage, b"data: [DONE]\n\n"]
         else:
             self.headers = {"content-type": "application/json"}
-            self.content = StubContent([orjson.dumps({
+            self._chunks = [orjson.dumps({
                 "choices": [{"index": 0, "message": {"content": "ok"}}],
-                "usage": {"completion_tokens": 1}})])
+                "usage": {"completion_tokens": 1}})]
+
+    async def readany(self) -> bytes:
+        return self._chunks.pop(0) if self._chunks else b""
+
+    async def read(self, limit: int) -> bytes:
+        body = b"".join(self._chunks)
+        self._chunks.clear()
+        return body
 
     def close(self) -> None:
         pass

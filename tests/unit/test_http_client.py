@@ -1,0 +1,320 @@
+"""The data path's HTTP/1.1 client (`router.http_client`) against a real loopback server.
+
+The server below speaks just enough HTTP/1.1 to answer per path: a JSON answer with a
+Content-Length, a chunked stream, a stream cut off mid-body, `Connection: close`, a
+large body, a head that never comes. It counts the connections it accepted, which is
+what tells reuse from reconnection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import pytest
+
+from router.http_client import HIGH_WATER, ConnectFailed, ConnectionBroken, Pool
+from router.upstream import request_head
+
+BIG = 1024 * 1024
+
+
+@dataclass
+class Server:
+    port: int = 0
+    accepted: int = 0
+    requests: list[tuple[str, bytes]] = field(default_factory=list)
+    closed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.accepted += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                lines = head.decode("latin-1").split("\r\n")
+                path = lines[0].split(" ")[1]
+                length = next(int(line.split(":")[1]) for line in lines
+                              if line.lower().startswith("content-length:"))
+                body = await reader.readexactly(length)
+                self.requests.append((path, body))
+                if path == "/hang":  # answer nothing; return once the client hangs up
+                    await reader.read(1)
+                    return
+                if not await self.answer(path, body, writer):
+                    return
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            self.closed.set()
+            writer.close()
+
+    async def answer(self, path: str, body: bytes, writer: asyncio.StreamWriter) -> bool:
+        """Answer one request; False closes the connection."""
+        if path == "/json":
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                         b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        elif path == "/stream":
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                         b"transfer-encoding: chunked\r\n\r\n")
+            for i in range(3):
+                event = b"data: %d\n\n" % i
+                writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+                await writer.drain()
+                await asyncio.sleep(0.01)
+            writer.write(b"0\r\n\r\n")
+        elif path == "/cut":
+            writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+                         b"6\r\ndata: \r\n")
+            await writer.drain()
+            return False
+        elif path == "/close":
+            writer.write(b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 2\r\n\r\nok")
+            await writer.drain()
+            return False
+        elif path == "/big":
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % BIG)
+            writer.write(b"x" * BIG)
+        elif path == "/error":
+            writer.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 4\r\n\r\nbusy")
+        await writer.drain()
+        return True
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[Server]:
+    state = Server()
+    listener = await asyncio.start_server(state.handle, "127.0.0.1", 0)
+    state.port = listener.sockets[0].getsockname()[1]
+    async with listener:
+        yield state
+
+
+@dataclass(frozen=True)
+class _Pod:
+    ip: str
+    port: int
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.ip}:{self.port}"
+
+
+def _pool(**bounds: float) -> Pool:
+    return Pool(int(bounds.get("limit", 16)), int(bounds.get("per_host", 16)),
+                bounds.get("keepalive", 4.0), bounds.get("connect", 2.0))
+
+
+async def _post(pool: Pool, server: Server, path: str, body: bytes = b"{}"):  # type: ignore[no-untyped-def]
+    head = request_head(_Pod("127.0.0.1", server.port), path,
+                        {"content-type": "application/json"}, len(body))
+    return await pool.request("http", "127.0.0.1", server.port, head, body)
+
+
+async def test_answers_are_read_and_connections_reused(server: Server) -> None:
+    pool = _pool()
+    for n in range(3):
+        response = await _post(pool, server, "/json", b'{"n": %d}' % n)
+        assert response.status == 200
+        assert response.headers["content-type"] == "application/json"
+        assert await response.read(1024) == b'{"n": %d}' % n
+        response.release()
+    assert server.accepted == 1  # one keep-alive connection served all three
+    assert [body for _, body in server.requests] == [b'{"n": 0}', b'{"n": 1}', b'{"n": 2}']
+    await pool.close()
+
+
+async def test_a_stream_arrives_as_it_is_sent(server: Server) -> None:
+    pool = _pool()
+    response = await _post(pool, server, "/stream")
+    parts = []
+    while chunk := await response.readany():
+        parts.append(chunk)
+    response.release()
+    assert b"".join(parts) == b"data: 0\n\ndata: 1\n\ndata: 2\n\n"
+    assert len(parts) >= 2  # delivered piece by piece, not at the end
+    response = await _post(pool, server, "/json")  # the stream's connection is reused
+    assert await response.read(1024) == b"{}"
+    response.release()
+    assert server.accepted == 1
+    await pool.close()
+
+
+async def test_a_stream_cut_off_raises_and_is_not_reused(server: Server) -> None:
+    pool = _pool()
+    response = await _post(pool, server, "/cut")
+    assert await response.readany() == b"data: "
+    with pytest.raises(ConnectionBroken):
+        await response.readany()
+    response.release()
+    response = await _post(pool, server, "/json")
+    assert await response.read(1024) == b"{}"
+    response.release()
+    assert server.accepted == 2
+    await pool.close()
+
+
+async def test_a_response_left_unread_closes_its_connection(server: Server) -> None:
+    pool = _pool()
+    response = await _post(pool, server, "/stream")
+    await response.readany()
+    response.release()  # mid-body: the rest of the stream would poison the next request
+    await asyncio.wait_for(server.closed.wait(), 5)
+    response = await _post(pool, server, "/json")
+    assert await response.read(1024) == b"{}"
+    response.release()
+    assert server.accepted == 2
+    await pool.close()
+
+
+async def test_connection_close_is_honoured(server: Server) -> None:
+    pool = _pool()
+    response = await _post(pool, server, "/close")
+    assert await response.read(1024) == b"ok"
+    response.release()
+    response = await _post(pool, server, "/json")
+    assert await response.read(1024) == b"{}"
+    response.release()
+    assert server.accepted == 2
+    await pool.close()
+
+
+async def test_error_statuses_come_back_with_their_body(server: Server) -> None:
+    pool = _pool()
+    response = await _post(pool, server, "/error")
+    assert response.status == 503
+    assert await response.read(1024) == b"busy"
+    response.release()
+    await pool.close()
+
+
+async def test_idle_connections_expire_before_the_engine_closes_them(server: Server) -> None:
+    pool = _pool(keepalive=0.05)
+    response = await _post(pool, server, "/json")
+    await response.read(1024)
+    response.release()
+    await asyncio.sleep(0.1)
+    response = await _post(pool, server, "/json")
+    await response.read(1024)
+    response.release()
+    assert server.accepted == 2
+    await pool.close()
+
+
+async def test_refused_connection_raises_connect_failed() -> None:
+    listener = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+    port = listener.sockets[0].getsockname()[1]
+    listener.close()
+    await listener.wait_closed()
+    pool = _pool()
+    with pytest.raises(ConnectFailed):
+        await pool.request("http", "127.0.0.1", port, b"POST / HTTP/1.1\r\n\r\n", b"")
+    await pool.close()
+
+
+async def test_a_large_body_is_read_under_back_pressure(server: Server) -> None:
+    pool = _pool()
+    response = await _post(pool, server, "/big")
+    await asyncio.sleep(0.2)  # the body arrives while nobody reads it
+    buffered = response._size  # what the client holds unread
+    assert buffered <= HIGH_WATER + 256 * 1024  # reading stopped near the bound
+    assert buffered < BIG
+    assert await response.read(2 * BIG) == b"x" * BIG
+    response.release()
+    with pytest.raises(ConnectionBroken):  # and `read` keeps its own bound
+        response = await _post(pool, server, "/big")
+        try:
+            await response.read(1000)
+        finally:
+            response.release()
+    await pool.close()
+
+
+async def test_per_pod_bound_queues_requests_and_survives_cancelled_waiters(
+    server: Server,
+) -> None:
+    pool = _pool(per_host=1)
+    first = await _post(pool, server, "/json")
+    second = asyncio.ensure_future(_post(pool, server, "/json", b"[2]"))
+    third = asyncio.ensure_future(_post(pool, server, "/json", b"[3]"))
+    await asyncio.sleep(0.05)
+    assert not second.done() and not third.done()  # both wait for the one connection
+    second.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await second
+    await first.read(1024)
+    first.release()  # the cancelled waiter must not swallow this turn
+    response = await asyncio.wait_for(third, 5)
+    assert await response.read(1024) == b"[3]"
+    response.release()
+    assert server.accepted == 1
+    await pool.close()
+
+
+async def test_cancelling_a_request_closes_its_connection(server: Server) -> None:
+    pool = _pool()
+    task = asyncio.ensure_future(_post(pool, server, "/hang"))
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    await asyncio.wait_for(server.closed.wait(), 5)  # the engine sees the request go away
+    await pool.close()
+
+
+def test_header_values_with_line_breaks_are_refused() -> None:
+    pod = _Pod("127.0.0.1", 8000)
+    head = request_head(pod, "/v1/completions", {"x-request-id": "abc"}, 2)
+    assert head == (b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1:8000\r\n"
+                    b"content-length: 2\r\nx-request-id: abc\r\n\r\n")
+    with pytest.raises(ValueError):
+        request_head(pod, "/v1/completions", {"x-request-id": "a\r\nx-evil: 1"}, 2)
+    assert b"host: [::1]:8000" in request_head(_Pod("::1", 8000), "/", {}, 0)
+
+
+async def test_push_mode_hands_chunks_to_the_sink_as_they_arrive(server: Server) -> None:
+    pool = _pool()
+    response = await _post(pool, server, "/stream")
+    received: list[bytes] = []
+    response.stream_to(received.append)
+    assert await response.wait() is False  # the body ended
+    response.stream_to(None)
+    assert b"".join(received) == b"data: 0\n\ndata: 1\n\ndata: 2\n\n"
+    assert len(received) >= 2
+    response.release()
+    await pool.close()
+
+
+async def test_push_mode_holds_reading_while_the_consumer_pushes_back(server: Server) -> None:
+    pool = _pool()
+    response = await _post(pool, server, "/big")
+    received: list[bytes] = []
+
+    def sink(data: bytes) -> None:
+        received.append(data)
+        response.hold()  # as the relay does when the client's socket is full
+
+    response.stream_to(sink)
+    assert await response.wait() is True  # woken by the hold
+    await asyncio.sleep(0.2)
+    held = sum(map(len, received))
+    assert held < BIG  # reading stopped: nothing more came while held
+    response.stream_to(received.append)
+    response.unhold()
+    assert await response.wait() is False
+    assert sum(map(len, received)) == BIG
+    response.release()
+    await pool.close()
+
+
+async def test_push_mode_raises_when_the_stream_breaks(server: Server) -> None:
+    pool = _pool()
+    response = await _post(pool, server, "/cut")
+    received: list[bytes] = []
+    response.stream_to(received.append)
+    with pytest.raises(ConnectionBroken):
+        await response.wait()
+    assert b"".join(received) == b"data: "
+    response.release()
+    await pool.close()

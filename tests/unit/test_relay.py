@@ -1,0 +1,98 @@
+"""`StreamRelay.run`: a stream relayed by callback, with the client's socket pushing back.
+
+A loopback server streams SSE events as fast as it can; the relay writes them to a
+recording writer whose flow control says "paused" after the first write. While paused
+nothing more may be written (the upstream socket stops reading); once drained, the rest
+arrives, ending with the chunk that carries [DONE].
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from router.http_client import Pool
+from router.metrics import RouterMetrics
+from router.relay import StreamRelay
+from router.timing import Timeline
+
+EVENTS = 2000
+EVENT = b'data: {"choices":[{"index":0,"delta":{"content":"token"}}]}\n\n'
+
+
+async def _serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+    await reader.readexactly(length)
+    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                 b"transfer-encoding: chunked\r\n\r\n")
+    for _ in range(EVENTS):
+        writer.write(b"%x\r\n%b\r\n" % (len(EVENT), EVENT))
+    done = b"data: [DONE]\n\n"
+    writer.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(done), done))
+    await writer.drain()
+    await reader.read(1)
+    writer.close()
+
+
+@pytest.fixture
+async def port() -> AsyncIterator[int]:
+    server = await asyncio.start_server(_serve, "127.0.0.1", 0)
+    async with server:
+        yield server.sockets[0].getsockname()[1]
+
+
+class Flow:
+    """The client's flow control: paused until `drained` is set."""
+
+    def __init__(self) -> None:
+        self.write_paused = False
+        self.drained = asyncio.Event()
+        self.waits = 0
+
+    async def drain(self) -> None:
+        self.waits += 1
+        await self.drained.wait()
+        self.write_paused = False
+
+
+class Writer:
+    def __init__(self, flow: Flow) -> None:
+        self.flow = flow
+        self.finished = False
+        self.writes: list[tuple[bytes, bool]] = []
+
+    def write_now(self, data: bytes, more: bool) -> None:
+        self.writes.append((data, more))
+        self.finished = not more
+        self.flow.write_paused = True  # the client's buffer is full after every write
+
+
+async def test_relay_pauses_upstream_while_the_client_is_full(port: int) -> None:
+    pool = Pool(4, 4, 4.0, 2.0)
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n")
+    response = await pool.request("http", "127.0.0.1", port, head, b"{}")
+    metrics = RouterMetrics(CollectorRegistry())
+    relay = StreamRelay(metrics, "m", Timeline(), "first_token", None, False)
+    flow = Flow()
+    out = Writer(flow)
+    task = asyncio.ensure_future(relay.run(response, out, flow))
+    await asyncio.sleep(0.3)
+    assert not task.done()
+    assert flow.waits == 1  # the relay waits for the client to drain ...
+    assert len(out.writes) == 1  # ... and wrote nothing more meanwhile
+    flow.write_paused = False  # from now on the client keeps up
+    out.flow = Flow()
+    flow.drained.set()
+    await asyncio.wait_for(task, 10)
+    body = b"".join(data for data, _ in out.writes)
+    assert body == EVENT * EVENTS + b"data: [DONE]\n\n"
+    assert out.writes[-1][1] is False  # the [DONE] chunk ended the response
+    assert all(more for _, more in out.writes[:-1])
+    assert relay.complete
+    assert relay.itl is not None  # content was timed
+    response.release()
+    await pool.close()

@@ -20,10 +20,11 @@ from router.resources import ModelServer, parse_duration
 from router.scheduling import ScheduleRequest
 from router.scheduling.approx_index import ApproximatePrefixIndex
 from router.scheduling.block_hash import (
+    ApproximateHasher,
     PreciseHasher,
     PromptTokens,
     approximate_block_hashes,
-    render_prompt_bytes,
+    render_prompt,
     salt_of,
 )
 from router.scheduling.fallback import PreciseFallback
@@ -206,6 +207,8 @@ class SchedulerDeps:
         default_factory=lambda: TTFTModels(CostModel().seed(), FitSettings())
     )
     fallback: PreciseFallback | None = None  # servers the precise scorer scores approximately
+    #: Approximate block hashes with a memo of the leading messages' blocks.
+    approx_hasher: ApproximateHasher = field(default_factory=ApproximateHasher)
 
 
 class PromptInfo:
@@ -213,9 +216,11 @@ class PromptInfo:
 
     __slots__ = (
         "_approx",
+        "_approx_hasher",
         "_block_bytes",
         "_chars_per_token",
         "_hasher",
+        "_lead",
         "_max_blocks",
         "_precise",
         "_precise_space",
@@ -233,9 +238,12 @@ class PromptInfo:
         max_blocks: int,
         chars_per_token: float,
         server: ModelServer | None = None,
+        approx_hasher: ApproximateHasher | None = None,
     ) -> None:
         self.request = request
         self._server = server
+        self._approx_hasher = approx_hasher
+        self._lead = 0
         self._hasher = hasher
         self._block_bytes = block_bytes
         self._max_blocks = max_blocks
@@ -249,7 +257,10 @@ class PromptInfo:
     def rendered(self) -> bytes | None:
         if self._rendered is False:
             req = self.request
-            self._rendered = render_prompt_bytes(req.path, req.body)
+            rendered = render_prompt(req.path, req.body)
+            self._rendered = None if rendered is None else rendered[0]
+            if rendered is not None:
+                self._lead = rendered[1]
         return self._rendered if isinstance(self._rendered, bytes) else None
 
     def approx_hashes(self) -> list[int]:
@@ -257,17 +268,18 @@ class PromptInfo:
             data = self.rendered()
             body = self.request.body
             model = body.get("model")
-            self._approx = (
-                []
-                if data is None
-                else approximate_block_hashes(
-                    data,
-                    model if isinstance(model, str) else self.request.model,
-                    salt_of(body),
-                    self._block_bytes,
-                    self._max_blocks,
+            if not isinstance(model, str):
+                model = self.request.model
+            if data is None:
+                self._approx = []
+            elif self._approx_hasher is None:
+                self._approx = approximate_block_hashes(
+                    data, model, salt_of(body), self._block_bytes, self._max_blocks
                 )
-            )
+            else:
+                self._approx = self._approx_hasher.hashes(
+                    data, self._lead, model, salt_of(body), self._block_bytes, self._max_blocks
+                )
         return self._approx
 
     def tokens(self) -> PromptTokens | None:

@@ -350,7 +350,7 @@ class PipelineScheduler:
         approx = config.approximate_index
         prompt = PromptInfo(
             request, self.deps.hasher, approx.block_bytes, approx.max_prompt_blocks,
-            approx.chars_per_token, server.server,
+            approx.chars_per_token, server.server, self.deps.approx_hasher,
         )
         ctx = PickContext(
             request, server, prompt, self.deps, config.cost_model, self._clock(),

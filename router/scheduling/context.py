@@ -219,6 +219,7 @@ class PromptInfo:
         "_approx_hasher",
         "_block_bytes",
         "_chars_per_token",
+        "_estimate",
         "_hasher",
         "_lead",
         "_max_blocks",
@@ -244,6 +245,7 @@ class PromptInfo:
         self._server = server
         self._approx_hasher = approx_hasher
         self._lead = 0
+        self._estimate = -1  # token_count's estimate from the rendered bytes, once
         self._hasher = hasher
         self._block_bytes = block_bytes
         self._max_blocks = max_blocks
@@ -313,8 +315,12 @@ class PromptInfo:
         """Exact when the precise hash was computed, else estimated from the rendered bytes."""
         if isinstance(self._tokens, PromptTokens):
             return len(self._tokens.ids)
-        data = self.rendered()
-        return 0 if data is None else int(len(data) / self._chars_per_token)
+        estimate = self._estimate
+        if estimate < 0:
+            data = self.rendered()
+            estimate = 0 if data is None else int(len(data) / self._chars_per_token)
+            self._estimate = estimate
+        return estimate
 
     @property
     def approx_block_bytes(self) -> int:
@@ -342,8 +348,7 @@ class Candidates:
     def read(
         cls, pods: list[Endpoint], keys: list[str], deps: SchedulerDeps, now: float
     ) -> Candidates:
-        get = deps.inflight.get
-        return cls(pods, keys, [get(p) for p in pods], deps.engines.get_many(keys, now))
+        return cls(pods, keys, deps.inflight.get_many(keys), deps.engines.get_many(keys, now))
 
     def subset(self, keep: list[int]) -> Candidates:
         return Candidates(
@@ -445,17 +450,21 @@ class PickContext:
         whichever is faster. `total`, `local`, `reach` are tokens (reach >= local: local
         or in the pool). Sets `prefix_scale_s` (what a score of 0 costs),
         `compute_tokens` and `pull_tokens`."""
-        fit = self.fit
-        base = fit.predict(0.0)
-        scale = fit.predict(total) - base
+        curve = self.fit.coefficients
+        a, b, c = curve.a, curve.b, curve.c  # P(x) = a + x (b + x c), x >= 0 (inlined)
+        base = curve(0.0)
+        scale = curve(total) - base
         pull = self.server_costs.pull_s_per_token
         scores: list[float] = []
         compute: list[float] = []
         pulled: list[float] = []
         for held, both in zip(local, reach, strict=True):
-            recompute = fit.predict(total - held) - base
+            x = total - held
+            if not x > 0.0:
+                x = 0.0
+            recompute = a + x * (b + x * c) - base
             if both > held:
-                via_pool = fit.predict(total - both) - base + pull * (both - held)
+                via_pool = curve(total - both) - base + pull * (both - held)
                 if via_pool < recompute:
                     compute.append(total - both)
                     pulled.append(both - held)

@@ -448,12 +448,21 @@ class PickContext:
         """Scores of the Conductor cost: per candidate, prefill of what is not cached
         locally, or prefill of what the pool lacks plus the pull of the rest from the pool,
         whichever is faster. `total`, `local`, `reach` are tokens (reach >= local: local
-        or in the pool). Sets `prefix_scale_s` (what a score of 0 costs),
-        `compute_tokens` and `pull_tokens`."""
+        or in the pool; `reach is local`: nothing in the pool). Sets `prefix_scale_s`
+        (what a score of 0 costs), `compute_tokens` and `pull_tokens`."""
         curve = self.fit.coefficients
         a, b, c = curve.a, curve.b, curve.c  # P(x) = a + x (b + x c), x >= 0 (inlined)
         base = curve(0.0)
         scale = curve(total) - base
+        self.prefix_scale_s = max(0.0, scale)
+        if reach is local:  # nothing to pull: the same formula in three flat passes
+            uncached = [total - held for held in local]
+            self.compute_tokens = uncached
+            self.pull_tokens = [0.0] * len(uncached)
+            if not scale > 0:
+                return [0.0] * len(uncached)
+            xs = [x if x > 0.0 else 0.0 for x in uncached]
+            return [1.0 - (a + x * (b + x * c) - base) / scale for x in xs]
         pull = self.server_costs.pull_s_per_token
         scores: list[float] = []
         compute: list[float] = []
@@ -473,7 +482,6 @@ class PickContext:
             compute.append(total - held)
             pulled.append(0.0)
             scores.append(1.0 - recompute / scale if scale > 0 else 0.0)
-        self.prefix_scale_s = max(0.0, scale)
         self.compute_tokens = compute
         self.pull_tokens = pulled
         return scores

@@ -27,6 +27,8 @@ from router.scheduling.scorers.base import Param, check_params
 class Filter:
     type_name: ClassVar[str] = ""
     PARAMS: ClassVar[Mapping[str, Param]] = {}
+    #: A hook that keeps every candidate: profiles leave it out of the decision path.
+    keeps_all: ClassVar[bool] = False
 
     def __init__(self, deps: SchedulerDeps, params: Mapping[str, Any]) -> None:
         self.deps = deps
@@ -45,6 +47,7 @@ def _kept(flags: list[bool]) -> list[int] | None:
 
 class ReadyFilter(Filter):
     type_name = "ready"
+    keeps_all = True
 
     def select(self, ctx: PickContext, cands: Candidates) -> list[int] | None:
         return None

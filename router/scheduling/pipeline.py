@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,7 +85,8 @@ class Profile:
     def __init__(self, name: str, config: ProfileConfig, deps: SchedulerDeps) -> None:
         self.name = name
         self.config = config
-        self.filters: list[Filter] = [FILTERS[s.type](deps, s.params) for s in config.filters]
+        filters = [FILTERS[s.type](deps, s.params) for s in config.filters]
+        self.filters: list[Filter] = [f for f in filters if not f.keeps_all]
         self.scorers: list[Scorer] = [
             SCORERS[s.type](s.weight, deps, s.params) for s in config.scorers if s.weight > 0
         ]
@@ -169,6 +171,9 @@ class _Layout:
     decode: list[Endpoint]
     decode_keys: list[str]
     costs: ServerCosts
+    #: PD: the groups with both prefill and decode pods when every group has both (then a
+    #: decision that filtered nothing out needs no pairing pass), else None.
+    paired: frozenset[str | None] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,7 +267,11 @@ class PipelineScheduler:
             server.server, config.cost_model, config.pool_view.enabled,
             config.pool_view.capacity_tokens, config.slo.ttft_target_s,
         )
-        layout = _Layout(pods, [p.key for p in pods], decode, [p.key for p in decode], costs)
+        pre_groups = frozenset(p.group for p in pods)
+        paired = pre_groups if pre_groups and pre_groups == {p.group for p in decode} else None
+        layout = _Layout(
+            pods, [p.key for p in pods], decode, [p.key for p in decode], costs, paired
+        )
         self._layouts[id(server)] = (server, layout)
         return layout
 
@@ -326,9 +335,11 @@ class PipelineScheduler:
     ) -> Pick | None:
         """Choose the pods; raises a 429 `APIError` when the SLO gate refuses (see slo.py)."""
         started = time.perf_counter()
-        decision = self._decide(server, request, avoid)
+        layout = self._layout(server)
+        decision = self._decide(server, request, avoid, layout)
         if decision is not None:
-            self._slo.check(self._layout(server).costs, decision.predicted)
+            if decision.predicted is not None and self._slo.config.enabled:
+                self._slo.check(layout.costs, decision.predicted)
             decision.commit()
         observe = self.metrics.decision_pd if server.is_pd else self.metrics.decision_aggregated
         observe.observe(time.perf_counter() - started)
@@ -338,13 +349,15 @@ class PipelineScheduler:
         self, server: ServerPods, request: ScheduleRequest, avoid: frozenset[str] = frozenset()
     ) -> float | None:
         """The predicted TTFT of the pods `pick` would choose now, recording nothing."""
-        decision = self._decide(server, request, avoid)
+        decision = self._decide(server, request, avoid, self._layout(server))
         return None if decision is None else decision.predicted
 
     def _decide(
-        self, server: ServerPods, request: ScheduleRequest, avoid: frozenset[str]
+        self, server: ServerPods, request: ScheduleRequest, avoid: frozenset[str],
+        layout: _Layout,
     ) -> _Decision | None:
-        self.deps.pending.flush(self._clock())
+        now = self._clock()
+        self.deps.pending.flush(now)
         profiles = self._profiles
         config = profiles.config
         approx = config.approximate_index
@@ -353,15 +366,14 @@ class PipelineScheduler:
             approx.chars_per_token, server.server, self.deps.approx_hasher,
         )
         ctx = PickContext(
-            request, server, prompt, self.deps, config.cost_model, self._clock(),
-            self._layout(server).costs,
+            request, server, prompt, self.deps, config.cost_model, now, layout.costs,
         )
         flow = request.flow
         if flow == "single" or (flow == "generate" and server.is_pd):
-            return self._pick_single(profiles, ctx, server, avoid)
+            return self._pick_single(profiles, ctx, server, avoid, layout)
         if server.is_pd:
-            return self._pick_pd(profiles, ctx, server, avoid)
-        return self._pick_aggregated(profiles, ctx, server, avoid)
+            return self._pick_pd(profiles, ctx, server, avoid, layout)
+        return self._pick_aggregated(profiles, ctx, server, avoid, layout)
 
     # -- candidates ---------------------------------------------------------------------------
 
@@ -397,11 +409,15 @@ class PipelineScheduler:
     # -- aggregated ---------------------------------------------------------------------------
 
     def _pick_aggregated(
-        self, profiles: _Profiles, ctx: PickContext, server: ServerPods, avoid: frozenset[str]
+        self,
+        profiles: _Profiles,
+        ctx: PickContext,
+        server: ServerPods,
+        avoid: frozenset[str],
+        layout: _Layout,
     ) -> _Decision | None:
         if not server.aggregated:
             return None
-        layout = self._layout(server)
         profile = profiles.aggregated
         ctx.role = "aggregated"
         cands = self._narrow(ctx, profile, layout.pods, layout.keys, avoid, 2)
@@ -429,13 +445,17 @@ class PipelineScheduler:
         return _Decision(pick, predicted, commit)
 
     def _pick_single(
-        self, profiles: _Profiles, ctx: PickContext, server: ServerPods, avoid: frozenset[str]
+        self,
+        profiles: _Profiles,
+        ctx: PickContext,
+        server: ServerPods,
+        avoid: frozenset[str],
+        layout: _Layout,
     ) -> _Decision | None:
         """One pod for a request outside the PD flow: an aggregated pod, or a PD server's
         decode pod. The role's filters apply, then the least loaded wins (ties at random);
         scorers are not consulted and nothing is recorded, since the request leaves no
         prefix in the pod's cache that later requests could reuse."""
-        layout = self._layout(server)
         if server.is_pd:
             profile, pods, keys = profiles.decode, layout.decode, layout.decode_keys
         else:
@@ -459,14 +479,18 @@ class PipelineScheduler:
                 costs[i] += UNWANTED_PENALTY
 
     def _pick_pd(
-        self, profiles: _Profiles, ctx: PickContext, server: ServerPods, avoid: frozenset[str]
+        self,
+        profiles: _Profiles,
+        ctx: PickContext,
+        server: ServerPods,
+        avoid: frozenset[str],
+        layout: _Layout,
     ) -> _Decision | None:
         if not server.groups:
             return None
-        layout = self._layout(server)
         pre_profile, dec_profile = profiles.prefill, profiles.decode
         pre = dec = None
-        common: set[str | None] = set()
+        common: AbstractSet[str | None] = frozenset()
         level = 2
         for level in (2, 1, 0):
             ctx.role = "prefill"
@@ -475,6 +499,9 @@ class PipelineScheduler:
             dec = self._narrow(
                 ctx, dec_profile, layout.decode, layout.decode_keys, avoid, level
             )
+            if layout.paired is not None and pre.pods is layout.pods and dec.pods is layout.decode:
+                common = layout.paired  # nothing was filtered out: every group pairs
+                break
             pre_groups = {p.group for p in pre.pods}
             common = pre_groups.intersection(p.group for p in dec.pods)
             if common:

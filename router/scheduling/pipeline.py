@@ -79,6 +79,7 @@ class Profile:
         "scorers",
         "similarity",
         "tie_tolerance",
+        "total_weight",
         "ttft",
     )
 
@@ -91,6 +92,9 @@ class Profile:
             SCORERS[s.type](s.weight, deps, s.params) for s in config.scorers if s.weight > 0
         ]
         self.ttft = config.unit == "ttft"
+        self.total_weight = 0.0
+        for scorer in self.scorers:  # summed in scorer order, as `costs` always did
+            self.total_weight += scorer.weight
         picker = config.picker
         self.tie_tolerance = picker.tie_tolerance
         self.similarity = picker.cache_similarity
@@ -99,23 +103,29 @@ class Profile:
 
     def costs(self, ctx: PickContext, cands: Candidates) -> list[float]:
         """Combined cost per candidate (lower is better); see `scorers.base`."""
-        n = len(cands)
-        cost = [0.0] * n
-        total_weight = 0.0
-        similarity = self.similarity
-        ctx.ttft_unit = self.ttft
+        n = len(cands.keys)
+        cost: list[float] | None = None  # the sum so far, from 0.0 (None: still 0.0)
+        similarity = self.similarity if n > 1 else 0.0
+        ttft = self.ttft
+        ctx.ttft_unit = ttft
         ctx.compute_tokens = ctx.pull_tokens = None
         for scorer in self.scorers:
             scores = scorer.score(ctx, cands)
-            if scorer.affinity and similarity > 0 and n > 1:
+            if similarity > 0 and scorer.affinity:
                 best = max(scores)
                 floor = best - similarity
                 scores = [best if s >= floor else s for s in scores]
-            total_weight += scorer.weight
-            weight = scorer.weight * (scorer.scale_s(ctx, cands) if self.ttft else 1.0)
-            if weight:
+            weight = scorer.weight * (scorer.scale_s(ctx, cands) if ttft else 1.0)
+            if not weight:
+                continue
+            if cost is None:
+                cost = [0.0 + weight * (1.0 - s) for s in scores]
+            else:
                 cost = [c + weight * (1.0 - s) for c, s in zip(cost, scores, strict=True)]
-        if not self.ttft and total_weight > 0:
+        if cost is None:
+            return [0.0] * n
+        if not ttft and self.total_weight > 0:
+            total_weight = self.total_weight
             cost = [c / total_weight for c in cost]
         return cost
 
@@ -176,7 +186,7 @@ class _Layout:
     paired: frozenset[str | None] | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a frozen init costs a call per field, per decision
 class _PrefixReport:
     """What the prefix scorers found for one role's candidates (for metrics and the mean)."""
 
@@ -195,9 +205,13 @@ def _take_report(ctx: PickContext) -> _PrefixReport:
         ctx.approx_depths, ctx.approx_hashes, ctx.precise_local, ctx.precise_reach,
         ctx.precise_hashes, ctx.store_factor, ctx.compute_tokens, ctx.pull_tokens,
     )
+    _clear_report(ctx)
+    return report
+
+
+def _clear_report(ctx: PickContext) -> None:
     ctx.approx_depths = ctx.precise_local = ctx.precise_reach = None
     ctx.compute_tokens = ctx.pull_tokens = None
-    return report
 
 
 @dataclass(slots=True)
@@ -519,7 +533,7 @@ class PipelineScheduler:
         pre_guarded = pre_profile.guard(pre, pre_costs)
         ctx.role = "decode"
         dec_costs = dec_profile.costs(ctx, dec)
-        _take_report(ctx)
+        _clear_report(ctx)
         dec_guarded = dec_profile.guard(dec, dec_costs)
         if level == 0:
             # Last resort: every group has an avoided or ejected pod. Still prefer the pair

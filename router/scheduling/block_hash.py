@@ -108,7 +108,7 @@ def _render_chat_bytes(messages: Sequence[Any], tools: Any) -> tuple[bytes, int]
     for i, message in enumerate(messages):
         if i == last:
             lead = sum(map(len, out))
-        if not isinstance(message, Mapping):
+        if type(message) is not dict and not isinstance(message, Mapping):  # dict: no ABC check
             out.append(_json(message))
             continue
         out.append(b"<|" + str(message.get("role", "")).encode() + b"|>\n")
@@ -117,7 +117,7 @@ def _render_chat_bytes(messages: Sequence[Any], tools: Any) -> tuple[bytes, int]
             out.append(content.encode())
         elif isinstance(content, list):
             for part in content:
-                if isinstance(part, Mapping) and part.get("type") == "text":
+                if (type(part) is dict or isinstance(part, Mapping)) and part.get("type") == "text":
                     out.append(str(part.get("text", "")).encode())
                 else:
                     out.append(_json(part))

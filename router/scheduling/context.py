@@ -12,7 +12,7 @@ import random
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Final, Literal
+from typing import Final, Generic, Literal, TypeVar
 
 from router.kvhash.keyspace import KeySpace
 from router.load import InFlight
@@ -327,6 +327,31 @@ class PromptInfo:
         return self._block_bytes
 
 
+T = TypeVar("T")
+
+
+class EngineMemo(Generic[T]):
+    """The last value a scorer or filter computed from the engine loads alone.
+
+    `EngineMetricsStore.get_many` returns the same list object until a scrape lands (or
+    a load goes stale), so a value computed from `cands.engine` holds while
+    `cands.engine` is that object: the per-pod work is done once per scrape, not once
+    per decision. Shared results are read, never changed."""
+
+    __slots__ = ("_source", "_value")
+
+    def __init__(self) -> None:
+        self._source: object = None
+        self._value: T | None = None
+
+    def get(self, source: object) -> T | None:
+        return self._value if source is self._source else None
+
+    def put(self, source: object, value: T) -> T:
+        self._source, self._value = source, value
+        return value
+
+
 class Candidates:
     """The pods still in the running for one role, with their loads read once."""
 
@@ -361,12 +386,18 @@ class Candidates:
     def __len__(self) -> int:
         return len(self.pods)
 
-    def loads(self) -> list[float]:
-        """Router in-flight plus the engine's waiting queue when known: the guard's measure."""
-        return [
-            n + (e.waiting if e is not None and e.waiting is not None else 0.0)
-            for n, e in zip(self.inflight, self.engine, strict=True)
-        ]
+    def loads(self, memo: EngineMemo[list[float]] | None = None) -> list[float]:
+        """Router in-flight plus the engine's waiting queue when known: the guard's measure.
+        `memo` keeps the waiting queues per scrape."""
+        waiting = None if memo is None else memo.get(self.engine)
+        if waiting is None:
+            waiting = [
+                e.waiting if e is not None and e.waiting is not None else 0.0
+                for e in self.engine
+            ]
+            if memo is not None:
+                memo.put(self.engine, waiting)
+        return [n + w for n, w in zip(self.inflight, waiting, strict=True)]
 
 
 class PickContext:

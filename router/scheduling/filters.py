@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar, Final
 
-from router.scheduling.context import Candidates, PickContext, SchedulerDeps
-from router.scheduling.scorers.base import EngineMemo, Param, check_params
+from router.scheduling.context import Candidates, EngineMemo, PickContext, SchedulerDeps
+from router.scheduling.scorers.base import Param, check_params
 
 
 class Filter:

@@ -45,6 +45,7 @@ from router.scheduling.block_hash import CHAT_PATH
 from router.scheduling.config import ProfileConfig, SchedulerConfig
 from router.scheduling.context import (
     Candidates,
+    EngineMemo,
     PickContext,
     PromptInfo,
     SchedulerDeps,
@@ -71,6 +72,7 @@ class Profile:
     """One role's filters, scorers and picker settings, built from a `ProfileConfig`."""
 
     __slots__ = (
+        "_waiting",
         "config",
         "filters",
         "guard_absolute",
@@ -100,6 +102,7 @@ class Profile:
         self.similarity = picker.cache_similarity
         self.guard_absolute = picker.guard.absolute
         self.guard_relative = picker.guard.relative
+        self._waiting: EngineMemo[list[float]] = EngineMemo()  # the guard's, per scrape
 
     def costs(self, ctx: PickContext, cands: Candidates) -> list[float]:
         """Combined cost per candidate (lower is better); see `scorers.base`."""
@@ -137,7 +140,7 @@ class Profile:
         n = len(cands)
         if n < 2 or self.guard_absolute <= 0 or self.guard_relative <= 0:
             return False
-        loads = cands.loads()
+        loads = cands.loads(self._waiting)
         low = min(loads)
         limit = max(low + self.guard_absolute, self.guard_relative * max(low, 1.0))
         if max(loads) < limit:
@@ -184,6 +187,9 @@ class _Layout:
     #: PD: the groups with both prefill and decode pods when every group has both (then a
     #: decision that filtered nothing out needs no pairing pass), else None.
     paired: frozenset[str | None] | None = None
+    #: PD: each prefill / decode pod's group, in the order of `pods` / `decode`.
+    groups: list[str | None] | None = None
+    decode_groups: list[str | None] | None = None
 
 
 @dataclass(slots=True)  # not frozen: a frozen init costs a call per field, per decision
@@ -222,6 +228,15 @@ class _Decision:
     pick: Pick
     predicted: float | None
     commit: Callable[[], None]
+
+
+def _groups_of(
+    cands: Candidates, pods: list[Endpoint], groups: list[str | None] | None
+) -> list[str | None]:
+    """Each candidate's PD group (the layout's list when no pod was filtered out)."""
+    if groups is not None and cands.pods is pods:
+        return groups
+    return [p.group for p in cands.pods]
 
 
 def _endpoint(path: str, body: dict[str, Any]) -> Prompt:
@@ -284,7 +299,8 @@ class PipelineScheduler:
         pre_groups = frozenset(p.group for p in pods)
         paired = pre_groups if pre_groups and pre_groups == {p.group for p in decode} else None
         layout = _Layout(
-            pods, [p.key for p in pods], decode, [p.key for p in decode], costs, paired
+            pods, [p.key for p in pods], decode, [p.key for p in decode], costs, paired,
+            [p.group for p in pods], [p.group for p in decode],
         )
         self._layouts[id(server)] = (server, layout)
         return layout
@@ -541,14 +557,16 @@ class PipelineScheduler:
             self._penalise_unwanted(pre, pre_costs, avoid)
             self._penalise_unwanted(dec, dec_costs, avoid)
 
+        pre_of = _groups_of(pre, layout.pods, layout.groups)
+        dec_of = _groups_of(dec, layout.decode, layout.decode_groups)
         best_pre: dict[str | None, float] = {}
-        for pod, cost in zip(pre.pods, pre_costs, strict=True):
-            if cost < best_pre.get(pod.group, _INF):
-                best_pre[pod.group] = cost
+        for name, cost in zip(pre_of, pre_costs, strict=True):
+            if cost < best_pre.get(name, _INF):
+                best_pre[name] = cost
         best_dec: dict[str | None, float] = {}
-        for pod, cost in zip(dec.pods, dec_costs, strict=True):
-            if cost < best_dec.get(pod.group, _INF):
-                best_dec[pod.group] = cost
+        for name, cost in zip(dec_of, dec_costs, strict=True):
+            if cost < best_dec.get(name, _INF):
+                best_dec[name] = cost
         weight = profiles.config.pairing.decode_weight
         names: list[str | None] = []
         pair_costs: list[float] = []
@@ -567,9 +585,9 @@ class PipelineScheduler:
         group = names[_choose(rng_index, pair_costs, tolerance)]
 
         ctx.role = "prefill"
-        pi = self._within(pre, pre_costs, group, tolerance, rng_index)
+        pi = self._within(pre_of, pre_costs, group, tolerance, rng_index)
         ctx.role = "decode"
-        di = self._within(dec, dec_costs, group, dec_profile.tolerance(ctx), rng_index)
+        di = self._within(dec_of, dec_costs, group, dec_profile.tolerance(ctx), rng_index)
         pair = pre_costs[pi] + weight * dec_costs[di]
         predicted: float | None = None
         if pre_profile.ttft and pair < GUARD_PENALTY:
@@ -624,14 +642,14 @@ class PipelineScheduler:
 
     @staticmethod
     def _within(
-        cands: Candidates,
+        groups: list[str | None],
         costs: list[float],
         group: str | None,
         tolerance: float,
         rng_index: Callable[[int], int],
     ) -> int:
-        members = [i for i, p in enumerate(cands.pods) if p.group == group]
-        best = min(costs[i] for i in members)
+        members = [i for i, name in enumerate(groups) if name == group]
+        best = min(map(costs.__getitem__, members))
         ties = [i for i in members if costs[i] <= best + tolerance]
         return ties[0] if len(ties) == 1 else ties[rng_index(len(ties))]
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar
 
 from router.scheduling.context import Candidates, PickContext, SchedulerDeps
 
@@ -55,31 +55,6 @@ def check_params(
             raise ConfigError(f"{owner}: {name} must be <= {param.maximum}")
         out[name] = value
     return out
-
-
-T = TypeVar("T")
-
-
-class EngineMemo(Generic[T]):
-    """The last value a scorer or filter computed from the engine loads alone.
-
-    `EngineMetricsStore.get_many` returns the same list object until a scrape lands (or
-    a load goes stale), so a value computed from `cands.engine` holds while
-    `cands.engine` is that object: the per-pod work is done once per scrape, not once
-    per decision. Shared results are read, never changed."""
-
-    __slots__ = ("_source", "_value")
-
-    def __init__(self) -> None:
-        self._source: object = None
-        self._value: T | None = None
-
-    def get(self, source: object) -> T | None:
-        return self._value if source is self._source else None
-
-    def put(self, source: object, value: T) -> T:
-        self._source, self._value = source, value
-        return value
 
 
 def fill_unknown(scores: list[float | None]) -> list[float]:

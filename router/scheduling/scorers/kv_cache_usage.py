@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from router.scheduling.context import Candidates, PickContext, SchedulerDeps
-from router.scheduling.scorers.base import EngineMemo, Scorer, fill_unknown
+from router.scheduling.context import Candidates, EngineMemo, PickContext, SchedulerDeps
+from router.scheduling.scorers.base import Scorer, fill_unknown
 
 
 class KVCacheUsageScorer(Scorer):

@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from router.scheduling.context import Candidates, PickContext, SchedulerDeps
-from router.scheduling.scorers.base import EngineMemo, Param, Scorer, fill_unknown
+from router.scheduling.context import Candidates, EngineMemo, PickContext, SchedulerDeps
+from router.scheduling.scorers.base import Param, Scorer, fill_unknown
 
 
 class QueueScorer(Scorer):

@@ -1,8 +1,9 @@
 """What one scheduling decision works on: the request's prompt, the candidates, the cost model.
 
 Everything here is built per request and lives only for that request, except
-`SchedulerDeps` (the long-lived state scorers read) and `LoadEstimator` (one running
-average). Lists are parallel arrays indexed by candidate position, so a scorer fills a
+`SchedulerDeps` (the long-lived state scorers read), `LoadEstimator` (one running
+average) and `EngineMemo` (what a scorer computed from one scrape's engine loads).
+Lists are parallel arrays indexed by candidate position, so a scorer fills a
 preallocated `list[float]` instead of building dicts.
 """
 
@@ -492,7 +493,7 @@ class PickContext:
             self.pull_tokens = [0.0] * len(uncached)
             if not scale > 0:
                 return [0.0] * len(uncached)
-            xs = [x if x > 0.0 else 0.0 for x in uncached]
+            xs = uncached if min(uncached) > 0.0 else [x if x > 0.0 else 0.0 for x in uncached]
             return [1.0 - (a + x * (b + x * c) - base) / scale for x in xs]
         pull = self.server_costs.pull_s_per_token
         scores: list[float] = []

@@ -398,7 +398,7 @@ class Candidates:
             ]
             if memo is not None:
                 memo.put(self.engine, waiting)
-        return [n + w for n, w in zip(self.inflight, waiting, strict=True)]
+        return [n + w for n, w in zip(self.inflight, waiting)]  # noqa: B905 (same lengths)
 
 
 class PickContext:

@@ -82,6 +82,10 @@ PRECISE_HASH_MEMO_HASHES: Final = 2_000_000
 _xxh3 = xxhash.xxh3_64_intdigest
 _SORTED = orjson.OPT_SORT_KEYS
 _MESSAGE_EXTRAS: Final = ("name", "tool_calls", "tool_call_id")
+#: The rendered header of the usual roles, prebuilt (any other role is built per message).
+_ROLE_HEADERS: Final = {
+    role: b"<|" + role.encode() + b"|>\n" for role in ("system", "user", "assistant", "tool")
+}
 
 
 def _json(value: Any) -> bytes:
@@ -111,7 +115,9 @@ def _render_chat_bytes(messages: Sequence[Any], tools: Any) -> tuple[bytes, int]
         if type(message) is not dict and not isinstance(message, Mapping):  # dict: no ABC check
             out.append(_json(message))
             continue
-        out.append(b"<|" + str(message.get("role", "")).encode() + b"|>\n")
+        role = message.get("role", "")
+        header = _ROLE_HEADERS.get(role) if type(role) is str else None
+        out.append(header or b"<|" + str(role).encode() + b"|>\n")
         content = message.get("content")
         if isinstance(content, str):
             out.append(content.encode())

@@ -28,9 +28,11 @@ from benchmarks.procs import StartupError
 from benchmarks.results import RouterResources, RunRecord, read_raw, write_raw
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-PHASES = ("overhead", "streaming", "scheduling", "tokenization", "trace")
+PHASES = ("overhead", "streaming", "scheduling", "tokenization", "decision", "trace")
 #: Iterations per case of the tokenization phase (in-process, a few seconds in all).
 TOKENIZATION_ITERATIONS = {"quick": 15, "full": 30}
+#: Requests per case of the decision phase (in-process; a quarter for the precise profile).
+DECISION_REQUESTS = {"quick": 300, "full": 1000}
 MODES: tuple[Mode, ...] = ("agg", "pd")
 #: Wall-clock budgets: no new run starts after them (a run in progress finishes).
 QUICK_BUDGET_S = 160.0
@@ -190,6 +192,17 @@ def _tokenization(iterations: int, bench: Bench) -> dict[str, list[float]] | Non
         return None
 
 
+def _decision(requests: int, bench: Bench) -> dict[str, list[float]] | None:
+    """The scheduler's decision time per request (`benchmarks.decision`), in-process."""
+    from benchmarks import decision
+
+    try:
+        return {case: [p50, p90] for case, (p50, p90) in decision.run(requests).items()}
+    except (OSError, ValueError) as exc:  # no tokenizer for the precise case: report, go on
+        bench.skipped.append(f"decision: {exc}")
+        return None
+
+
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     try:
         import uvloop
@@ -233,6 +246,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "tokenization" in phases
         else None
     )
+    decision_costs = (
+        _decision(DECISION_REQUESTS["quick" if args.quick else "full"], bench)
+        if "decision" in phases
+        else None
+    )
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
             runner.run(_run(bench, phases, modes, args))
@@ -255,6 +273,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     }  # fmt: skip
     if token_costs is not None:
         meta["tokenization"] = token_costs
+    if decision_costs is not None:
+        meta["decision"] = decision_costs
     write_raw(raw / "runs.json", meta, bench.runs, bench.resources)
     _write_reports(out, meta, bench.runs, bench.resources)
     print(f"results: {out} ({elapsed:.0f} s)")

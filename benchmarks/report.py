@@ -72,6 +72,7 @@ def render(
     out += _scheduling_section(scheduling)
     out += _resources_section(overhead, scheduling)
     out += _tokenization_section(meta.get("tokenization"))
+    out += _decision_section(meta.get("decision"))
     if plots:
         out += ["## Plots", ""]
         out += [f"![{name}]({name})" for name in plots]
@@ -96,6 +97,28 @@ def _tokenization_section(costs: dict[str, list[float]] | None) -> list[str]:
         "|---|---:|---:|",
     ]
     out += [f"| {case} | {p50:,.0f} | {p90:,.0f} |" for case, (p50, p90) in costs.items()]
+    out.append("")
+    return out
+
+
+def _decision_section(costs: dict[str, list[float]] | None) -> list[str]:
+    """`benchmarks.decision`: the scheduler's time to pick the pods of one request."""
+    if not costs:
+        return []
+    out = [
+        "## Scheduler decision time per request",
+        "",
+        "`PipelineScheduler.pick` in-process (`benchmarks.decision`): the default profile "
+        "(approximate prefix index + load scorers) on an aggregated server and on a PD "
+        "server (groups of 2 prefill + 2 decode pods), and the precise profile on the PD "
+        "server (the request tokenized with the real DeepSeek tokenizer and hashed as the "
+        "engine does), with a warm index and fresh engine metrics; the quietest of three "
+        "rounds.",
+        "",
+        "| case | p50 µs | p90 µs |",
+        "|---|---:|---:|",
+    ]
+    out += [f"| {case} | {p50:,.1f} | {p90:,.1f} |" for case, (p50, p90) in costs.items()]
     out.append("")
     return out
 

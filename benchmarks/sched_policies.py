@@ -20,7 +20,7 @@ Reported per policy: the prefix-cache hit rate measured at the prefill engines (
 `/sim/stats` deltas; local cache, and read from the store), the best possible (every
 request of a group on one pod that never evicts), client TTFT p50/p90 (first content chunk
 of the stream), and requests per prefill pod. Then the scheduler's decision time per
-request at 8, 64 and 512 pods (`bench_decision.measure`). This module is also the tests'
+request at 8, 64 and 512 pods (`benchmarks.decision`). This module is also the tests'
 workload and cluster (`tests/integration/test_scheduling.py`).
 """
 
@@ -32,7 +32,6 @@ import contextlib
 import os
 import random
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -658,31 +657,19 @@ async def bench(args: argparse.Namespace) -> list[tuple[str, list[RunResult]]]:
     return out
 
 
-def decision_table(requests: int, sizes: Sequence[int] = (8, 64, 512)) -> str:
-    """Decision time per request (`bench_decision.measure`), as a Markdown table."""
-    from router.scheduling import bench_decision as bd
+def decision_table(requests: int, sizes: tuple[int, ...] = (8, 64, 512)) -> str:
+    """Decision time per request (`benchmarks.decision`), as a Markdown table."""
+    from benchmarks import decision
 
-    precise = parse_scheduler_config({
-        "profiles": POLICIES["precise-prefix-cache"], "preciseIndex": {"enabled": False},
-    })
-    default = SchedulerConfig()
-
-    def cell(times: list[float]) -> str:
-        ordered = sorted(times)
-        p50 = statistics.median(ordered) * 1e6
-        p90 = ordered[int(len(ordered) * 0.9)] * 1e6
-        return f"{p50:.0f} / {p90:.0f}"
-
+    times = decision.run(requests, sizes)
     lines = [
-        "| pods | PD pair, approximate (us p50 / p90) | PD pair, precise (us p50 / p90) "
-        "| aggregated, approximate (us p50 / p90) |",
+        "| pods | PD pair, default (us p50 / p90) | PD pair, precise (us p50 / p90) "
+        "| aggregated, default (us p50 / p90) |",
         "| --- | --- | --- | --- |",
     ]
     for size in sizes:
-        pd_approx = bd.measure(bd.pd_server(size), default, requests)
-        pd_precise = bd.measure(bd.pd_server(size), precise, max(50, requests // 4))
-        agg = bd.measure(bd.aggregated_server(size), default, requests)
-        lines.append(f"| {size} | {cell(pd_approx)} | {cell(pd_precise)} | {cell(agg)} |")
+        cells = [times[f"{size} pods, {case}"] for case in ("PD", "PD, precise", "aggregated")]
+        lines.append(f"| {size} | " + " | ".join(f"{a:.0f} / {b:.0f}" for a, b in cells) + " |")
     return "\n".join(lines)
 
 

@@ -43,6 +43,14 @@ class InFlight:
         key = endpoint.key
         return self._counts.get(key, 0) + self._remote.get(key, 0)
 
+    def get_many(self, keys: list[str]) -> list[int]:
+        """`get` for many pods by key at once (one call per decision, not one per pod)."""
+        counts, remote = self._counts, self._remote
+        if not remote:
+            get = counts.get
+            return [get(key, 0) for key in keys]
+        return [counts.get(key, 0) + remote.get(key, 0) for key in keys]
+
     def local(self, key: str) -> int:
         """This process's own count for pod `key` (what it reports to its peers)."""
         return self._counts.get(key, 0)

@@ -132,9 +132,9 @@ class ApproximatePrefixIndex:
         # LRU then forgets a prompt's tail before its head, and the leading blocks it
         # keeps still match.
         for block_hash in reversed(hashes):
-            if block_hash in lru:
-                touch(block_hash)
-            else:
+            try:
+                touch(block_hash)  # held already (the common case): one lookup
+            except KeyError:
                 lru[block_hash] = None
                 masks[block_hash] = masks.get(block_hash, 0) | bit
         if len(lru) > self.capacity_of(key):

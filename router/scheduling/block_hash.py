@@ -70,6 +70,11 @@ CHAT_PATH: Final = "/v1/chat/completions"
 DEFAULT_APPROX_BLOCK_BYTES: Final = 256
 #: Default bound on the blocks of one prompt that are hashed and looked up.
 DEFAULT_MAX_PROMPT_BLOCKS: Final = 4096
+#: Bounds of the approximate hasher's memo of leading messages: entries, hashes in all.
+APPROX_HASH_MEMO_ENTRIES: Final = 4_096
+APPROX_HASH_MEMO_HASHES: Final = 1_000_000
+#: Leading blocks worth memoizing (fewer are hashed faster than looked up).
+APPROX_MEMO_MIN_BLOCKS: Final = 4
 #: Bounds of the precise hasher's prefix memo: entries, and block hashes stored in all.
 PRECISE_HASH_MEMO_ENTRIES: Final = 8_192
 PRECISE_HASH_MEMO_HASHES: Final = 2_000_000
@@ -77,6 +82,10 @@ PRECISE_HASH_MEMO_HASHES: Final = 2_000_000
 _xxh3 = xxhash.xxh3_64_intdigest
 _SORTED = orjson.OPT_SORT_KEYS
 _MESSAGE_EXTRAS: Final = ("name", "tool_calls", "tool_call_id")
+#: The rendered header of the usual roles, prebuilt (any other role is built per message).
+_ROLE_HEADERS: Final = {
+    role: b"<|" + role.encode() + b"|>\n" for role in ("system", "user", "assistant", "tool")
+}
 
 
 def _json(value: Any) -> bytes:
@@ -93,21 +102,28 @@ def _token_bytes(tokens: Sequence[Any]) -> bytes:
         return _json(list(tokens))
 
 
-def _render_chat_bytes(messages: Sequence[Any], tools: Any) -> bytes:
+def _render_chat_bytes(messages: Sequence[Any], tools: Any) -> tuple[bytes, int]:
+    """The rendered messages, and the length of the part before the last message."""
     out: list[bytes] = []
     if tools is not None:
         out.append(_json(tools))
-    for message in messages:
-        if not isinstance(message, Mapping):
+    lead = 0
+    last = len(messages) - 1
+    for i, message in enumerate(messages):
+        if i == last:
+            lead = sum(map(len, out))
+        if type(message) is not dict and not isinstance(message, Mapping):  # dict: no ABC check
             out.append(_json(message))
             continue
-        out.append(b"<|" + str(message.get("role", "")).encode() + b"|>\n")
+        role = message.get("role", "")
+        header = _ROLE_HEADERS.get(role) if type(role) is str else None
+        out.append(header or b"<|" + str(role).encode() + b"|>\n")
         content = message.get("content")
         if isinstance(content, str):
             out.append(content.encode())
         elif isinstance(content, list):
             for part in content:
-                if isinstance(part, Mapping) and part.get("type") == "text":
+                if (type(part) is dict or isinstance(part, Mapping)) and part.get("type") == "text":
                     out.append(str(part.get("text", "")).encode())
                 else:
                     out.append(_json(part))
@@ -117,11 +133,12 @@ def _render_chat_bytes(messages: Sequence[Any], tools: Any) -> bytes:
             if extra in message:
                 out.append(_json({extra: message[extra]}))
         out.append(b"\n")
-    return b"".join(out)
+    return b"".join(out), lead
 
 
-def render_prompt_bytes(path: str, body: Mapping[str, Any]) -> bytes | None:
-    """The canonical bytes of a request's prompt for approximate hashing, or None."""
+def render_prompt(path: str, body: Mapping[str, Any]) -> tuple[bytes, int] | None:
+    """The canonical bytes of a request's prompt for approximate hashing, and how many
+    of them come before its last chat message (0 for a completion); None: no prompt."""
     messages = body.get("messages")
     if path == CHAT_PATH or isinstance(messages, list):
         if not isinstance(messages, list):
@@ -131,10 +148,16 @@ def render_prompt_bytes(path: str, body: Mapping[str, Any]) -> bytes | None:
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch: key on its first prompt
     if isinstance(prompt, str):
-        return prompt.encode()
+        return prompt.encode(), 0
     if isinstance(prompt, list):
-        return _token_bytes(prompt)
+        return _token_bytes(prompt), 0
     return None
+
+
+def render_prompt_bytes(path: str, body: Mapping[str, Any]) -> bytes | None:
+    """The canonical bytes of a request's prompt for approximate hashing, or None."""
+    rendered = render_prompt(path, body)
+    return None if rendered is None else rendered[0]
 
 
 def salt_of(body: Mapping[str, Any]) -> str | None:
@@ -162,6 +185,74 @@ def approximate_block_hashes(
         hashes[i] = seed
         start += block_bytes
     return hashes
+
+
+class ApproximateHasher:
+    """`approximate_block_hashes` with a memo of the blocks of a chat's leading messages.
+
+    The messages before the last one (a shared system prompt, a conversation's earlier
+    turns) repeat from request to request. The hashes of their full blocks are memoized
+    under one xxh3-64 of those bytes (seeded with the chain's seed), so a request costs
+    one hash over its leading messages plus one per block of its last message, instead
+    of one per block. Exact: the result is `approximate_block_hashes`'s (unit test).
+    Bounded by `APPROX_HASH_MEMO_ENTRIES` entries and `APPROX_HASH_MEMO_HASHES` stored
+    hashes, least recently used first out. One per scheduler (`SchedulerDeps`).
+    """
+
+    def __init__(
+        self,
+        entries: int = APPROX_HASH_MEMO_ENTRIES,
+        max_hashes: int = APPROX_HASH_MEMO_HASHES,
+    ) -> None:
+        self._memo: OrderedDict[tuple[int, int], tuple[int, ...]] = OrderedDict()
+        self._entries = entries
+        self._max_hashes = max_hashes
+        self._stored = 0
+
+    def hashes(
+        self,
+        data: bytes,
+        lead: int,
+        model: str,
+        cache_salt: str | None,
+        block_bytes: int = DEFAULT_APPROX_BLOCK_BYTES,
+        max_blocks: int = DEFAULT_MAX_PROMPT_BLOCKS,
+    ) -> list[int]:
+        """The chained hashes of `data`'s full blocks; its first `lead` bytes are the
+        leading messages (`render_prompt`), memoized."""
+        count = min(len(data) // block_bytes, max_blocks)
+        known = min(lead // block_bytes, count)
+        if known < APPROX_MEMO_MIN_BLOCKS:
+            return approximate_block_hashes(data, model, cache_salt, block_bytes, max_blocks)
+        seed = _xxh3(model.encode() + b"\0" + (cache_salt or "").encode())
+        view = memoryview(data)
+        start = known * block_bytes
+        key = (_xxh3(view[:start], seed), block_bytes)
+        memo = self._memo
+        prefix = memo.get(key)
+        if prefix is None:
+            hashes = approximate_block_hashes(data, model, cache_salt, block_bytes, max_blocks)
+            self._remember(key, tuple(hashes[:known]))
+            return hashes
+        memo.move_to_end(key)
+        hashes = [*prefix, *[0] * (count - known)]
+        seed = prefix[-1]
+        for i in range(known, count):
+            seed = _xxh3(view[start : start + block_bytes], seed)
+            hashes[i] = seed
+            start += block_bytes
+        return hashes
+
+    def _remember(self, key: tuple[int, int], hashes: tuple[int, ...]) -> None:
+        memo = self._memo
+        memo[key] = hashes
+        self._stored += len(hashes)
+        while memo and (len(memo) > self._entries or self._stored > self._max_hashes):
+            _, dropped = memo.popitem(last=False)
+            self._stored -= len(dropped)
+
+    def __len__(self) -> int:
+        return len(self._memo)
 
 
 TokenSource = Callable[[str, Mapping[str, Any]], Sequence[int] | None]
@@ -323,12 +414,15 @@ class PreciseHasher:
 
 
 __all__ = [
+    "APPROX_HASH_MEMO_ENTRIES",
     "DEFAULT_APPROX_BLOCK_BYTES",
     "DEFAULT_MAX_PROMPT_BLOCKS",
     "PRECISE_HASH_MEMO_ENTRIES",
+    "ApproximateHasher",
     "PreciseHasher",
     "PromptTokens",
     "approximate_block_hashes",
+    "render_prompt",
     "render_prompt_bytes",
     "salt_of",
 ]

@@ -14,19 +14,25 @@ independent of how many pods the cluster has.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
+from typing import Final
+
+#: Bound of `PodSlots.mask_of`'s memo (candidate lists: a few per server and role).
+MAX_MASK_MEMO: Final = 64
 
 
 class PodSlots:
     """Pod key <-> small integer slot; freed slots are reused first."""
 
-    __slots__ = ("_free", "_keys", "_next", "_slots")
+    __slots__ = ("_free", "_keys", "_masks", "_next", "_slots")
 
     def __init__(self) -> None:
         self._slots: dict[str, int] = {}
         self._keys: dict[int, str] = {}
         self._free: list[int] = []
         self._next = 0
+        #: mask_of's memo: id(keys) -> (a copy of keys, mask, slots); emptied on any change.
+        self._masks: dict[int, tuple[list[str], int, list[int]]] = {}
 
     def get(self, key: str) -> int | None:
         return self._slots.get(key)
@@ -41,6 +47,7 @@ class PodSlots:
                 self._next += 1
             self._slots[key] = slot
             self._keys[slot] = key
+            self._masks.clear()
         return slot
 
     def release(self, key: str) -> None:
@@ -48,6 +55,7 @@ class PodSlots:
         if slot is not None:
             del self._keys[slot]
             self._free.append(slot)
+            self._masks.clear()
 
     def key_of(self, slot: int) -> str | None:
         return self._keys.get(slot)
@@ -58,8 +66,16 @@ class PodSlots:
     def __len__(self) -> int:
         return len(self._slots)
 
-    def mask_of(self, keys: Iterable[str]) -> tuple[int, list[int]]:
-        """(bitmask of the known keys, slot per key in order, -1 where unknown)."""
+    def mask_of(self, keys: Sequence[str]) -> tuple[int, list[int]]:
+        """(bitmask of the known keys, slot per key in order, -1 where unknown).
+
+        Memoized per candidate list until a slot changes: the scheduler asks for the same
+        pods (a server's, per role) at every decision. A hit is checked against a copy
+        of the keys (a C-speed compare), so a list changed in place is never misread.
+        The returned slot list is shared: read it, never change it."""
+        memo = self._masks.get(id(keys))
+        if memo is not None and memo[0] == keys:
+            return memo[1], memo[2]
         get = self._slots.get
         mask = 0
         slots: list[int] = []
@@ -68,6 +84,9 @@ class PodSlots:
             slots.append(slot)
             if slot >= 0:
                 mask |= 1 << slot
+        if len(self._masks) >= MAX_MASK_MEMO:
+            self._masks.clear()
+        self._masks[id(keys)] = (list(keys), mask, slots)
         return mask, slots
 
 

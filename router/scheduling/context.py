@@ -1,8 +1,9 @@
 """What one scheduling decision works on: the request's prompt, the candidates, the cost model.
 
 Everything here is built per request and lives only for that request, except
-`SchedulerDeps` (the long-lived state scorers read) and `LoadEstimator` (one running
-average). Lists are parallel arrays indexed by candidate position, so a scorer fills a
+`SchedulerDeps` (the long-lived state scorers read), `LoadEstimator` (one running
+average) and `EngineMemo` (what a scorer computed from one scrape's engine loads).
+Lists are parallel arrays indexed by candidate position, so a scorer fills a
 preallocated `list[float]` instead of building dicts.
 """
 
@@ -12,7 +13,7 @@ import random
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Final, Literal
+from typing import Final, Generic, Literal, TypeVar
 
 from router.kvhash.keyspace import KeySpace
 from router.load import InFlight
@@ -21,10 +22,11 @@ from router.scheduling import ScheduleRequest
 from router.scheduling.approx_index import ApproximatePrefixIndex
 from router.scheduling.backlog import PrefillBacklog
 from router.scheduling.block_hash import (
+    ApproximateHasher,
     PreciseHasher,
     PromptTokens,
     approximate_block_hashes,
-    render_prompt_bytes,
+    render_prompt,
     salt_of,
 )
 from router.scheduling.fallback import PreciseFallback
@@ -209,6 +211,8 @@ class SchedulerDeps:
     fallback: PreciseFallback | None = None  # servers the precise scorer scores approximately
     #: Prefill seconds dispatched to each pod and predicted not yet done.
     backlog: PrefillBacklog = field(default_factory=PrefillBacklog)
+    #: Approximate block hashes with a memo of the leading messages' blocks.
+    approx_hasher: ApproximateHasher = field(default_factory=ApproximateHasher)
 
 
 class PromptInfo:
@@ -216,9 +220,12 @@ class PromptInfo:
 
     __slots__ = (
         "_approx",
+        "_approx_hasher",
         "_block_bytes",
         "_chars_per_token",
+        "_estimate",
         "_hasher",
+        "_lead",
         "_max_blocks",
         "_precise",
         "_precise_space",
@@ -236,9 +243,13 @@ class PromptInfo:
         max_blocks: int,
         chars_per_token: float,
         server: ModelServer | None = None,
+        approx_hasher: ApproximateHasher | None = None,
     ) -> None:
         self.request = request
         self._server = server
+        self._approx_hasher = approx_hasher
+        self._lead = 0
+        self._estimate = -1  # token_count's estimate from the rendered bytes, once
         self._hasher = hasher
         self._block_bytes = block_bytes
         self._max_blocks = max_blocks
@@ -252,7 +263,10 @@ class PromptInfo:
     def rendered(self) -> bytes | None:
         if self._rendered is False:
             req = self.request
-            self._rendered = render_prompt_bytes(req.path, req.body)
+            rendered = render_prompt(req.path, req.body)
+            self._rendered = None if rendered is None else rendered[0]
+            if rendered is not None:
+                self._lead = rendered[1]
         return self._rendered if isinstance(self._rendered, bytes) else None
 
     def approx_hashes(self) -> list[int]:
@@ -260,17 +274,18 @@ class PromptInfo:
             data = self.rendered()
             body = self.request.body
             model = body.get("model")
-            self._approx = (
-                []
-                if data is None
-                else approximate_block_hashes(
-                    data,
-                    model if isinstance(model, str) else self.request.model,
-                    salt_of(body),
-                    self._block_bytes,
-                    self._max_blocks,
+            if not isinstance(model, str):
+                model = self.request.model
+            if data is None:
+                self._approx = []
+            elif self._approx_hasher is None:
+                self._approx = approximate_block_hashes(
+                    data, model, salt_of(body), self._block_bytes, self._max_blocks
                 )
-            )
+            else:
+                self._approx = self._approx_hasher.hashes(
+                    data, self._lead, model, salt_of(body), self._block_bytes, self._max_blocks
+                )
         return self._approx
 
     def tokens(self) -> PromptTokens | None:
@@ -304,12 +319,41 @@ class PromptInfo:
         """Exact when the precise hash was computed, else estimated from the rendered bytes."""
         if isinstance(self._tokens, PromptTokens):
             return len(self._tokens.ids)
-        data = self.rendered()
-        return 0 if data is None else int(len(data) / self._chars_per_token)
+        estimate = self._estimate
+        if estimate < 0:
+            data = self.rendered()
+            estimate = 0 if data is None else int(len(data) / self._chars_per_token)
+            self._estimate = estimate
+        return estimate
 
     @property
     def approx_block_bytes(self) -> int:
         return self._block_bytes
+
+
+T = TypeVar("T")
+
+
+class EngineMemo(Generic[T]):
+    """The last value a scorer or filter computed from the engine loads alone.
+
+    `EngineMetricsStore.get_many` returns the same list object until a scrape lands (or
+    a load goes stale), so a value computed from `cands.engine` holds while
+    `cands.engine` is that object: the per-pod work is done once per scrape, not once
+    per decision. Shared results are read, never changed."""
+
+    __slots__ = ("_source", "_value")
+
+    def __init__(self) -> None:
+        self._source: object = None
+        self._value: T | None = None
+
+    def get(self, source: object) -> T | None:
+        return self._value if source is self._source else None
+
+    def put(self, source: object, value: T) -> T:
+        self._source, self._value = source, value
+        return value
 
 
 class Candidates:
@@ -333,8 +377,7 @@ class Candidates:
     def read(
         cls, pods: list[Endpoint], keys: list[str], deps: SchedulerDeps, now: float
     ) -> Candidates:
-        get = deps.inflight.get
-        return cls(pods, keys, [get(p) for p in pods], deps.engines.get_many(keys, now))
+        return cls(pods, keys, deps.inflight.get_many(keys), deps.engines.get_many(keys, now))
 
     def subset(self, keep: list[int]) -> Candidates:
         return Candidates(
@@ -347,12 +390,18 @@ class Candidates:
     def __len__(self) -> int:
         return len(self.pods)
 
-    def loads(self) -> list[float]:
-        """Router in-flight plus the engine's waiting queue when known: the guard's measure."""
-        return [
-            n + (e.waiting if e is not None and e.waiting is not None else 0.0)
-            for n, e in zip(self.inflight, self.engine, strict=True)
-        ]
+    def loads(self, memo: EngineMemo[list[float]] | None = None) -> list[float]:
+        """Router in-flight plus the engine's waiting queue when known: the guard's measure.
+        `memo` keeps the waiting queues per scrape."""
+        waiting = None if memo is None else memo.get(self.engine)
+        if waiting is None:
+            waiting = [
+                e.waiting if e is not None and e.waiting is not None else 0.0
+                for e in self.engine
+            ]
+            if memo is not None:
+                memo.put(self.engine, waiting)
+        return [n + w for n, w in zip(self.inflight, waiting)]  # noqa: B905 (same lengths)
 
 
 class PickContext:
@@ -437,19 +486,32 @@ class PickContext:
         """Scores of the Conductor cost: per candidate, prefill of what is not cached
         locally, or prefill of what the pool lacks plus the pull of the rest from the pool,
         whichever is faster. `total`, `local`, `reach` are tokens (reach >= local: local
-        or in the pool). Sets `prefix_scale_s` (what a score of 0 costs),
-        `compute_tokens` and `pull_tokens`."""
-        fit = self.fit
-        base = fit.predict(0.0)
-        scale = fit.predict(total) - base
+        or in the pool; `reach is local`: nothing in the pool). Sets `prefix_scale_s`
+        (what a score of 0 costs), `compute_tokens` and `pull_tokens`."""
+        curve = self.fit.coefficients
+        a, b, c = curve.a, curve.b, curve.c  # P(x) = a + x (b + x c), x >= 0 (inlined)
+        base = curve(0.0)
+        scale = curve(total) - base
+        self.prefix_scale_s = max(0.0, scale)
+        if reach is local:  # nothing to pull: the same formula in three flat passes
+            uncached = [total - held for held in local]
+            self.compute_tokens = uncached
+            self.pull_tokens = [0.0] * len(uncached)
+            if not scale > 0:
+                return [0.0] * len(uncached)
+            xs = uncached if min(uncached) > 0.0 else [x if x > 0.0 else 0.0 for x in uncached]
+            return [1.0 - (a + x * (b + x * c) - base) / scale for x in xs]
         pull = self.server_costs.pull_s_per_token
         scores: list[float] = []
         compute: list[float] = []
         pulled: list[float] = []
         for held, both in zip(local, reach, strict=True):
-            recompute = fit.predict(total - held) - base
+            x = total - held
+            if not x > 0.0:
+                x = 0.0
+            recompute = a + x * (b + x * c) - base
             if both > held:
-                via_pool = fit.predict(total - both) - base + pull * (both - held)
+                via_pool = curve(total - both) - base + pull * (both - held)
                 if via_pool < recompute:
                     compute.append(total - both)
                     pulled.append(both - held)
@@ -458,7 +520,6 @@ class PickContext:
             compute.append(total - held)
             pulled.append(0.0)
             scores.append(1.0 - recompute / scale if scale > 0 else 0.0)
-        self.prefix_scale_s = max(0.0, scale)
         self.compute_tokens = compute
         self.pull_tokens = pulled
         return scores

@@ -20,13 +20,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar, Final
 
-from router.scheduling.context import Candidates, PickContext, SchedulerDeps
+from router.scheduling.context import Candidates, EngineMemo, PickContext, SchedulerDeps
 from router.scheduling.scorers.base import Param, check_params
 
 
 class Filter:
     type_name: ClassVar[str] = ""
     PARAMS: ClassVar[Mapping[str, Param]] = {}
+    #: A hook that keeps every candidate: profiles leave it out of the decision path.
+    keeps_all: ClassVar[bool] = False
 
     def __init__(self, deps: SchedulerDeps, params: Mapping[str, Any]) -> None:
         self.deps = deps
@@ -45,6 +47,7 @@ def _kept(flags: list[bool]) -> list[int] | None:
 
 class ReadyFilter(Filter):
     type_name = "ready"
+    keeps_all = True
 
     def select(self, ctx: PickContext, cands: Candidates) -> list[int] | None:
         return None
@@ -78,8 +81,14 @@ class NotSaturatedFilter(Filter):
         self._max_waiting: float = self.params["maxWaiting"]
         self._max_usage: float = self.params["maxKvUsage"]
         self._max_inflight: int = self.params["maxInFlight"]
+        #: The engine-only answer (no `maxInFlight`), per scrape: (kept positions or None,).
+        self._memo: EngineMemo[tuple[list[int] | None]] = EngineMemo()
 
     def select(self, ctx: PickContext, cands: Candidates) -> list[int] | None:
+        if not self._max_inflight:
+            known = self._memo.get(cands.engine)
+            if known is not None:
+                return known[0]
         max_waiting = self._max_waiting
         flags = [
             e is None or e.waiting is None or e.waiting <= max_waiting for e in cands.engine
@@ -95,7 +104,8 @@ class NotSaturatedFilter(Filter):
             flags = [
                 keep and n <= limit for keep, n in zip(flags, cands.inflight, strict=True)
             ]
-        return _kept(flags)
+            return _kept(flags)
+        return self._memo.put(cands.engine, (_kept(flags),))[0]
 
 
 FILTERS: Final[dict[str, type[Filter]]] = {

@@ -3,14 +3,25 @@
 Label sets are small and fixed (index kind, role, reason): no per-pod labels, so the
 exposition stays cheap at hundreds of pods. Labelled children used on the per-request
 path are resolved once here.
+
+The four observations every decision makes (its time, its predicted TTFT, the prefix
+blocks looked up and hit) are plain numbers exported by a collector (`LocalHistogram`,
+`LocalCounter`): a prometheus-client child takes a lock and a few calls per observation,
+1-2.5 µs, a large share of a ~20 µs decision. The scheduler runs on the event loop only,
+so nothing else writes them; an exposition reads each number once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from bisect import bisect_left
+from collections.abc import Callable, Iterator
+from itertools import accumulate
 from typing import Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from router.scheduling.ttft_model import PrefillFit
 
@@ -23,22 +34,69 @@ TTFT_BUCKETS: Final = (
 INDEX_KINDS: Final = ("approximate", "precise")
 
 
+class LocalHistogram:
+    """One histogram child: bucket counts (last: +Inf) and the sum, without a lock."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1  # first bucket with value <= le
+        self.sum += value
+
+
+class LocalCounter:
+    """One counter child without a lock."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.value += amount
+
+
+class _LocalCollector(Collector):
+    """Exports the `Local*` children as ordinary Prometheus histograms and counters."""
+
+    def __init__(self) -> None:
+        self.histograms: list[tuple[str, str, str, dict[str, LocalHistogram]]] = []
+        self.counters: list[tuple[str, str, str, dict[str, LocalCounter]]] = []
+
+    def collect(self) -> Iterator[Metric]:
+        for name, doc, label, children in self.histograms:
+            family = HistogramMetricFamily(name, doc, labels=[label])
+            for value, child in children.items():
+                counts = list(accumulate(child.counts))
+                edges = [*map(floatToGoString, child.bounds), "+Inf"]
+                family.add_metric([value], list(zip(edges, counts, strict=True)), child.sum)
+            yield family
+        for name, doc, label, counters in self.counters:
+            counter = CounterMetricFamily(name, doc, labels=[label])
+            for value, c in counters.items():
+                counter.add_metric([value], c.value)
+            yield counter
+
+
 class SchedulerMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
-        self.prefix_queries = Counter(
-            "pdgate_prefix_cache_queries",
-            "Prompt blocks looked up for the pod each request was sent to (prefill or "
-            "aggregated), by index.",
-            ["index"], registry=registry,
-        )
-        self.prefix_hits = Counter(
-            "pdgate_prefix_cache_hits",
-            "Prompt blocks the chosen pod held according to the index, by index.",
-            ["index"], registry=registry,
-        )
-        self.queries = {kind: self.prefix_queries.labels(index=kind) for kind in INDEX_KINDS}
-        self.hits = {kind: self.prefix_hits.labels(index=kind) for kind in INDEX_KINDS}
+        local = _LocalCollector()
+        self.queries = {kind: LocalCounter() for kind in INDEX_KINDS}
+        self.hits = {kind: LocalCounter() for kind in INDEX_KINDS}
+        local.counters += [
+            ("pdgate_prefix_cache_queries",
+             "Prompt blocks looked up for the pod each request was sent to (prefill or "
+             "aggregated), by index.", "index", self.queries),
+            ("pdgate_prefix_cache_hits",
+             "Prompt blocks the chosen pod held according to the index, by index.",
+             "index", self.hits),
+        ]  # fmt: skip
         self.index_blocks = Gauge(
             "pdgate_prefix_index_blocks", "Block entries held by a prefix index.",
             ["index"], registry=registry,
@@ -52,21 +110,20 @@ class SchedulerMetrics:
             "Entries a prefix index dropped to stay within its bounds (since start).",
             ["index"], registry=registry,
         )
-        self.decision = Histogram(
-            "pdgate_scheduler_decision_seconds",
-            "Time the scheduler took to pick the pods of one request.",
-            ["kind"], buckets=DECISION_BUCKETS, registry=registry,
-        )
-        self.decision_pd = self.decision.labels(kind="pd")
-        self.decision_aggregated = self.decision.labels(kind="aggregated")
-        self.predicted_ttft = Histogram(
-            "pdgate_scheduler_predicted_ttft_seconds",
-            "Predicted time to first token of the chosen pods (ttft-unit profiles): queue "
-            "wait + uncached prefill + transfer. Compare with pdgate_ttft_seconds.",
-            ["kind"], buckets=TTFT_BUCKETS, registry=registry,
-        )
-        self.predicted_pd = self.predicted_ttft.labels(kind="pd")
-        self.predicted_aggregated = self.predicted_ttft.labels(kind="aggregated")
+        self.decision_pd = LocalHistogram(DECISION_BUCKETS)
+        self.decision_aggregated = LocalHistogram(DECISION_BUCKETS)
+        self.predicted_pd = LocalHistogram(TTFT_BUCKETS)
+        self.predicted_aggregated = LocalHistogram(TTFT_BUCKETS)
+        local.histograms += [
+            ("pdgate_scheduler_decision_seconds",
+             "Time the scheduler took to pick the pods of one request.", "kind",
+             {"pd": self.decision_pd, "aggregated": self.decision_aggregated}),
+            ("pdgate_scheduler_predicted_ttft_seconds",
+             "Predicted time to first token of the chosen pods (ttft-unit profiles): queue "
+             "wait + uncached prefill + transfer. Compare with pdgate_ttft_seconds.", "kind",
+             {"pd": self.predicted_pd, "aggregated": self.predicted_aggregated}),
+        ]  # fmt: skip
+        registry.register(local)
         self.guard_overrides = Counter(
             "pdgate_scheduler_guard_overrides",
             "Picks where the load guard overrode the best-scored (cache-affine) pod.",

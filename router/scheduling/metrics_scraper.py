@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -159,14 +160,34 @@ def parse_engine_metrics(body: bytes, at: float = 0.0) -> EngineLoad:
     )
 
 
+#: Bound of `EngineMetricsStore.get_many`'s memo (candidate lists: a few per server and role).
+MAX_LOADS_MEMO: Final = 64
+
+
 class EngineMetricsStore:
-    """The last scrape of each pod; `get` answers only while it is fresh."""
+    """The last scrape of each pod; `get` answers only while it is fresh.
+
+    `get_many` is memoized per candidate list until a scrape lands or the oldest load in
+    the answer goes stale, and returns the same list object while nothing changed, so
+    what is computed from the engine loads alone (queue and KV scores, the saturation
+    filter) can be kept per answer too (`memo_of`)."""
 
     def __init__(self, stale_after_s: float = DEFAULT_INTERVAL_S * DEFAULT_STALE_AFTER_INTERVALS):
-        self.stale_after_s = stale_after_s
+        self._stale_after_s = stale_after_s
         self._loads: dict[str, EngineLoad] = {}
         #: Called with (pod key, load) on every local scrape (`router.sync`).
         self.listener: Callable[[str, EngineLoad], None] | None = None
+        #: id(keys) -> (a copy of keys, valid until, the answer); emptied on every change.
+        self._memo: dict[int, tuple[list[str], float, list[EngineLoad | None]]] = {}
+
+    @property
+    def stale_after_s(self) -> float:
+        return self._stale_after_s
+
+    @stale_after_s.setter
+    def stale_after_s(self, value: float) -> None:
+        self._stale_after_s = value
+        self._memo.clear()
 
     def get(self, key: str, now: float) -> EngineLoad | None:
         load = self._loads.get(key)
@@ -175,27 +196,43 @@ class EngineMetricsStore:
         return load
 
     def get_many(self, keys: list[str], now: float) -> list[EngineLoad | None]:
-        """`get` for many pods at once (one call per decision, not one per pod)."""
+        """`get` for many pods at once (one call per decision, not one per pod).
+
+        The answer is shared (see the class docstring): read it, never change it."""
+        memo = self._memo.get(id(keys))
+        if memo is not None and now <= memo[1] and memo[0] == keys:
+            return memo[2]
         get = self._loads.get
-        oldest = now - self.stale_after_s
+        stale_after = self._stale_after_s
+        oldest = now - stale_after
         out: list[EngineLoad | None] = [get(key) for key in keys]
+        until = math.inf
         for i, load in enumerate(out):
-            if load is not None and load.at < oldest:
-                out[i] = None
+            if load is not None:
+                if load.at < oldest:
+                    out[i] = None
+                elif load.at + stale_after < until:
+                    until = load.at + stale_after  # this one goes stale then
+        if len(self._memo) >= MAX_LOADS_MEMO:
+            self._memo.clear()
+        self._memo[id(keys)] = (list(keys), until, out)
         return out
 
     def put(self, key: str, load: EngineLoad) -> None:
         self._loads[key] = load
+        self._memo.clear()
         if self.listener is not None:
             self.listener(key, load)
 
     def apply_remote(self, key: str, load: EngineLoad) -> None:
         """Another worker of this host scraped `key` (`put` without echo)."""
         self._loads[key] = load
+        self._memo.clear()
 
     def retain(self, keys: set[str]) -> None:
         for key in [k for k in self._loads if k not in keys]:
             del self._loads[key]
+        self._memo.clear()
 
     def __len__(self) -> int:
         return len(self._loads)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +46,7 @@ from router.scheduling.block_hash import CHAT_PATH
 from router.scheduling.config import ProfileConfig, SchedulerConfig
 from router.scheduling.context import (
     Candidates,
+    EngineMemo,
     PickContext,
     PromptInfo,
     SchedulerDeps,
@@ -72,50 +74,69 @@ class Profile:
     """One role's filters, scorers and picker settings, built from a `ProfileConfig`."""
 
     __slots__ = (
+        "_waiting",
         "config",
         "filters",
         "guard_absolute",
         "guard_relative",
         "name",
+        "recorders",
         "scorers",
         "similarity",
         "tie_tolerance",
+        "total_weight",
         "ttft",
+        "uses_backlog",
     )
 
     def __init__(self, name: str, config: ProfileConfig, deps: SchedulerDeps) -> None:
         self.name = name
         self.config = config
-        self.filters: list[Filter] = [FILTERS[s.type](deps, s.params) for s in config.filters]
+        filters = [FILTERS[s.type](deps, s.params) for s in config.filters]
+        self.filters: list[Filter] = [f for f in filters if not f.keeps_all]
         self.scorers: list[Scorer] = [
             SCORERS[s.type](s.weight, deps, s.params) for s in config.scorers if s.weight > 0
         ]
+        #: The scorers that remember the chosen pod (the others' `picked` does nothing).
+        self.recorders = [s for s in self.scorers if type(s).picked is not Scorer.picked]
+        #: Whether the prefill backlog (`backlog.py`) must hear of this profile's picks.
+        self.uses_backlog = any(s.type_name == "prefill-backlog" for s in self.scorers)
         self.ttft = config.unit == "ttft"
+        self.total_weight = 0.0
+        for scorer in self.scorers:  # summed in scorer order, as `costs` always did
+            self.total_weight += scorer.weight
         picker = config.picker
         self.tie_tolerance = picker.tie_tolerance
         self.similarity = picker.cache_similarity
         self.guard_absolute = picker.guard.absolute
         self.guard_relative = picker.guard.relative
+        self._waiting: EngineMemo[list[float]] = EngineMemo()  # the guard's, per scrape
 
     def costs(self, ctx: PickContext, cands: Candidates) -> list[float]:
         """Combined cost per candidate (lower is better); see `scorers.base`."""
-        n = len(cands)
-        cost = [0.0] * n
-        total_weight = 0.0
-        similarity = self.similarity
-        ctx.ttft_unit = self.ttft
+        n = len(cands.keys)
+        cost: list[float] | None = None  # the sum so far, from 0.0 (None: still 0.0)
+        similarity = self.similarity if n > 1 else 0.0
+        ttft = self.ttft
+        ctx.ttft_unit = ttft
         ctx.compute_tokens = ctx.pull_tokens = None
         for scorer in self.scorers:
             scores = scorer.score(ctx, cands)
-            if scorer.affinity and similarity > 0 and n > 1:
+            if similarity > 0 and scorer.affinity:
                 best = max(scores)
                 floor = best - similarity
                 scores = [best if s >= floor else s for s in scores]
-            total_weight += scorer.weight
-            weight = scorer.weight * (scorer.scale_s(ctx, cands) if self.ttft else 1.0)
-            if weight:
-                cost = [c + weight * (1.0 - s) for c, s in zip(cost, scores, strict=True)]
-        if not self.ttft and total_weight > 0:
+            weight = scorer.weight * (scorer.scale_s(ctx, cands) if ttft else 1.0)
+            if not weight:
+                continue
+            if cost is None:
+                cost = [0.0 + weight * (1.0 - s) for s in scores]
+            else:  # one score per candidate (no strict zip: it costs a fifth of this line)
+                cost = [c + weight * (1.0 - s) for c, s in zip(cost, scores)]  # noqa: B905
+        if cost is None:
+            return [0.0] * n
+        if not ttft and self.total_weight > 0:
+            total_weight = self.total_weight
             cost = [c / total_weight for c in cost]
         return cost
 
@@ -127,7 +148,7 @@ class Profile:
         n = len(cands)
         if n < 2 or self.guard_absolute <= 0 or self.guard_relative <= 0:
             return False
-        loads = cands.loads()
+        loads = cands.loads(self._waiting)
         low = min(loads)
         limit = max(low + self.guard_absolute, self.guard_relative * max(low, 1.0))
         if max(loads) < limit:
@@ -171,9 +192,15 @@ class _Layout:
     decode: list[Endpoint]
     decode_keys: list[str]
     costs: ServerCosts
+    #: PD: the groups with both prefill and decode pods when every group has both (then a
+    #: decision that filtered nothing out needs no pairing pass), else None.
+    paired: frozenset[str | None] | None = None
+    #: PD: each prefill / decode pod's group, in the order of `pods` / `decode`.
+    groups: list[str | None] | None = None
+    decode_groups: list[str | None] | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a frozen init costs a call per field, per decision
 class _PrefixReport:
     """What the prefix scorers found for one role's candidates (for metrics and the mean)."""
 
@@ -192,9 +219,13 @@ def _take_report(ctx: PickContext) -> _PrefixReport:
         ctx.approx_depths, ctx.approx_hashes, ctx.precise_local, ctx.precise_reach,
         ctx.precise_hashes, ctx.store_factor, ctx.compute_tokens, ctx.pull_tokens,
     )
+    _clear_report(ctx)
+    return report
+
+
+def _clear_report(ctx: PickContext) -> None:
     ctx.approx_depths = ctx.precise_local = ctx.precise_reach = None
     ctx.compute_tokens = ctx.pull_tokens = None
-    return report
 
 
 @dataclass(slots=True)
@@ -207,6 +238,15 @@ class _Decision:
     commit: Callable[[], None]
 
 
+def _groups_of(
+    cands: Candidates, pods: list[Endpoint], groups: list[str | None] | None
+) -> list[str | None]:
+    """Each candidate's PD group (the layout's list when no pod was filtered out)."""
+    if groups is not None and cands.pods is pods:
+        return groups
+    return [p.group for p in cands.pods]
+
+
 def _endpoint(path: str, body: dict[str, Any]) -> Prompt:
     return "chat" if path == CHAT_PATH or isinstance(body.get("messages"), list) else "completion"
 
@@ -217,12 +257,13 @@ class _PrefillTicket:
     Predicted duration = the pod's backlog (`backlog.py`; at least the engine's own
     waiting queue x the mean prefill, which counts other routers' requests too) + the fit
     of the uncached tokens + the pool pull. The measured duration feeds the
-    prediction-error metrics, the fit (only when nothing was queued ahead: the sample is
-    then pure service time) and the backlog's correction."""
+    prediction-error metrics, the fit (only when the pod had nothing in flight from this
+    router and nothing waiting in the engine: the sample is then pure service time) and
+    the backlog's correction."""
 
     __slots__ = (
-        "_backlog", "_calibrates", "_clock", "_end", "_fit", "_idle", "_key", "_metrics",
-        "_pull_s", "_sent", "_service_s", "compute", "predicted",
+        "_backlog", "_calibrates", "_clean", "_clock", "_end", "_fit", "_idle", "_key",
+        "_metrics", "_pull_s", "_sent", "_service_s", "compute", "predicted",
     )
 
     def __init__(
@@ -233,6 +274,7 @@ class _PrefillTicket:
         self._fit, self._metrics, self._backlog, self._clock = fit, metrics, backlog, clock
         self._key, self.compute, self._pull_s, self._idle = key, compute, pull_s, idle
         self._calibrates = calibrates
+        self._clean = idle and others_s <= 0.0
         self._service_s = fit.predict(compute) + pull_s
         wait = max(0.0 if idle else backlog.wait_s(key, now), others_s)
         self.predicted = wait + self._service_s
@@ -250,7 +292,7 @@ class _PrefillTicket:
             return
         self._fit.observe_error(self.predicted, seconds)
         self._metrics.observe_prefill(self.predicted, seconds)
-        if self.predicted - self._service_s <= 0.0:
+        if self._clean:
             self._fit.add_sample(self.compute, seconds - self._pull_s)
 
 
@@ -307,7 +349,12 @@ class PipelineScheduler:
             server.server, config.cost_model, config.pool_view.enabled,
             config.pool_view.capacity_tokens, config.slo.ttft_target_s,
         )
-        layout = _Layout(pods, [p.key for p in pods], decode, [p.key for p in decode], costs)
+        pre_groups = frozenset(p.group for p in pods)
+        paired = pre_groups if pre_groups and pre_groups == {p.group for p in decode} else None
+        layout = _Layout(
+            pods, [p.key for p in pods], decode, [p.key for p in decode], costs, paired,
+            [p.group for p in pods], [p.group for p in decode],
+        )
         self._layouts[id(server)] = (server, layout)
         return layout
 
@@ -371,9 +418,11 @@ class PipelineScheduler:
     ) -> Pick | None:
         """Choose the pods; raises a 429 `APIError` when the SLO gate refuses (see slo.py)."""
         started = time.perf_counter()
-        decision = self._decide(server, request, avoid)
+        layout = self._layout(server)
+        decision = self._decide(server, request, avoid, layout)
         if decision is not None:
-            self._slo.check(self._layout(server).costs, decision.predicted)
+            if decision.predicted is not None and self._slo.config.enabled:
+                self._slo.check(layout.costs, decision.predicted)
             decision.commit()
         observe = self.metrics.decision_pd if server.is_pd else self.metrics.decision_aggregated
         observe.observe(time.perf_counter() - started)
@@ -383,30 +432,31 @@ class PipelineScheduler:
         self, server: ServerPods, request: ScheduleRequest, avoid: frozenset[str] = frozenset()
     ) -> float | None:
         """The predicted TTFT of the pods `pick` would choose now, recording nothing."""
-        decision = self._decide(server, request, avoid)
+        decision = self._decide(server, request, avoid, self._layout(server))
         return None if decision is None else decision.predicted
 
     def _decide(
-        self, server: ServerPods, request: ScheduleRequest, avoid: frozenset[str]
+        self, server: ServerPods, request: ScheduleRequest, avoid: frozenset[str],
+        layout: _Layout,
     ) -> _Decision | None:
-        self.deps.pending.flush(self._clock())
+        now = self._clock()
+        self.deps.pending.flush(now)
         profiles = self._profiles
         config = profiles.config
         approx = config.approximate_index
         prompt = PromptInfo(
             request, self.deps.hasher, approx.block_bytes, approx.max_prompt_blocks,
-            approx.chars_per_token, server.server,
+            approx.chars_per_token, server.server, self.deps.approx_hasher,
         )
         ctx = PickContext(
-            request, server, prompt, self.deps, config.cost_model, self._clock(),
-            self._layout(server).costs,
+            request, server, prompt, self.deps, config.cost_model, now, layout.costs,
         )
         flow = request.flow
         if flow == "single" or (flow == "generate" and server.is_pd):
-            return self._pick_single(profiles, ctx, server, avoid)
+            return self._pick_single(profiles, ctx, server, avoid, layout)
         if server.is_pd:
-            return self._pick_pd(profiles, ctx, server, avoid)
-        return self._pick_aggregated(profiles, ctx, server, avoid)
+            return self._pick_pd(profiles, ctx, server, avoid, layout)
+        return self._pick_aggregated(profiles, ctx, server, avoid, layout)
 
     # -- candidates ---------------------------------------------------------------------------
 
@@ -442,11 +492,15 @@ class PipelineScheduler:
     # -- aggregated ---------------------------------------------------------------------------
 
     def _pick_aggregated(
-        self, profiles: _Profiles, ctx: PickContext, server: ServerPods, avoid: frozenset[str]
+        self,
+        profiles: _Profiles,
+        ctx: PickContext,
+        server: ServerPods,
+        avoid: frozenset[str],
+        layout: _Layout,
     ) -> _Decision | None:
         if not server.aggregated:
             return None
-        layout = self._layout(server)
         profile = profiles.aggregated
         ctx.role = "aggregated"
         cands = self._narrow(ctx, profile, layout.pods, layout.keys, avoid, 2)
@@ -474,13 +528,17 @@ class PipelineScheduler:
         return _Decision(pick, predicted, commit)
 
     def _pick_single(
-        self, profiles: _Profiles, ctx: PickContext, server: ServerPods, avoid: frozenset[str]
+        self,
+        profiles: _Profiles,
+        ctx: PickContext,
+        server: ServerPods,
+        avoid: frozenset[str],
+        layout: _Layout,
     ) -> _Decision | None:
         """One pod for a request outside the PD flow: an aggregated pod, or a PD server's
         decode pod. The role's filters apply, then the least loaded wins (ties at random);
         scorers are not consulted and nothing is recorded, since the request leaves no
         prefix in the pod's cache that later requests could reuse."""
-        layout = self._layout(server)
         if server.is_pd:
             profile, pods, keys = profiles.decode, layout.decode, layout.decode_keys
         else:
@@ -504,14 +562,18 @@ class PipelineScheduler:
                 costs[i] += UNWANTED_PENALTY
 
     def _pick_pd(
-        self, profiles: _Profiles, ctx: PickContext, server: ServerPods, avoid: frozenset[str]
+        self,
+        profiles: _Profiles,
+        ctx: PickContext,
+        server: ServerPods,
+        avoid: frozenset[str],
+        layout: _Layout,
     ) -> _Decision | None:
         if not server.groups:
             return None
-        layout = self._layout(server)
         pre_profile, dec_profile = profiles.prefill, profiles.decode
         pre = dec = None
-        common: set[str | None] = set()
+        common: AbstractSet[str | None] = frozenset()
         level = 2
         for level in (2, 1, 0):
             ctx.role = "prefill"
@@ -520,6 +582,9 @@ class PipelineScheduler:
             dec = self._narrow(
                 ctx, dec_profile, layout.decode, layout.decode_keys, avoid, level
             )
+            if layout.paired is not None and pre.pods is layout.pods and dec.pods is layout.decode:
+                common = layout.paired  # nothing was filtered out: every group pairs
+                break
             pre_groups = {p.group for p in pre.pods}
             common = pre_groups.intersection(p.group for p in dec.pods)
             if common:
@@ -537,7 +602,7 @@ class PipelineScheduler:
         pre_guarded = pre_profile.guard(pre, pre_costs)
         ctx.role = "decode"
         dec_costs = dec_profile.costs(ctx, dec)
-        _take_report(ctx)
+        _clear_report(ctx)
         dec_guarded = dec_profile.guard(dec, dec_costs)
         if level == 0:
             # Last resort: every group has an avoided or ejected pod. Still prefer the pair
@@ -545,14 +610,16 @@ class PipelineScheduler:
             self._penalise_unwanted(pre, pre_costs, avoid)
             self._penalise_unwanted(dec, dec_costs, avoid)
 
+        pre_of = _groups_of(pre, layout.pods, layout.groups)
+        dec_of = _groups_of(dec, layout.decode, layout.decode_groups)
         best_pre: dict[str | None, float] = {}
-        for pod, cost in zip(pre.pods, pre_costs, strict=True):
-            if cost < best_pre.get(pod.group, _INF):
-                best_pre[pod.group] = cost
+        for name, cost in zip(pre_of, pre_costs, strict=True):
+            if cost < best_pre.get(name, _INF):
+                best_pre[name] = cost
         best_dec: dict[str | None, float] = {}
-        for pod, cost in zip(dec.pods, dec_costs, strict=True):
-            if cost < best_dec.get(pod.group, _INF):
-                best_dec[pod.group] = cost
+        for name, cost in zip(dec_of, dec_costs, strict=True):
+            if cost < best_dec.get(name, _INF):
+                best_dec[name] = cost
         weight = profiles.config.pairing.decode_weight
         names: list[str | None] = []
         pair_costs: list[float] = []
@@ -571,9 +638,9 @@ class PipelineScheduler:
         group = names[_choose(rng_index, pair_costs, tolerance)]
 
         ctx.role = "prefill"
-        pi = self._within(pre, pre_costs, group, tolerance, rng_index)
+        pi = self._within(pre_of, pre_costs, group, tolerance, rng_index)
         ctx.role = "decode"
-        di = self._within(dec, dec_costs, group, dec_profile.tolerance(ctx), rng_index)
+        di = self._within(dec_of, dec_costs, group, dec_profile.tolerance(ctx), rng_index)
         pair = pre_costs[pi] + weight * dec_costs[di]
         predicted: float | None = None
         if pre_profile.ttft and pair < GUARD_PENALTY:
@@ -581,7 +648,7 @@ class PipelineScheduler:
                 pair + ctx.fit.predict(0.0)
                 + ctx.prompt.token_count() * ctx.cost.transfer_s_per_token
             )
-        ticket = self._prefill_ticket(ctx, pre, pi, report)
+        ticket = self._prefill_ticket(ctx, pre, pi, report, pre_profile.uses_backlog)
         if pre_profile.ttft and pre_costs[pi] < GUARD_PENALTY:
             ctx.ready_at = ctx.now + pre_costs[pi] + ctx.fit.predict(0.0)
 
@@ -592,25 +659,31 @@ class PipelineScheduler:
                 self.metrics.guard["decode"].inc()
             ctx.role = "prefill"
             self._dispatched(ctx, pre_profile, pre, pi, report)
-            ticket.dispatch()
+            if ticket is not None:
+                ticket.dispatch()
             ctx.role = "decode"
-            for scorer in dec_profile.scorers:
+            for scorer in dec_profile.recorders:
                 scorer.picked(ctx, dec, di)
             if predicted is not None:
                 self.metrics.predicted_pd.observe(predicted)
 
         pick = Pick(decode=dec.pods[di], prefill=pre.pods[pi], decode_cost=dec_costs[di],
-                    prefill_cost=pre_costs[pi], on_prefill=ticket.done)
+                    prefill_cost=pre_costs[pi],
+                    on_prefill=None if ticket is None else ticket.done)
         return _Decision(pick, predicted, commit)
 
     def _prefill_ticket(
-        self, ctx: PickContext, cands: Candidates, index: int, report: _PrefixReport
-    ) -> _PrefillTicket:
+        self, ctx: PickContext, cands: Candidates, index: int, report: _PrefixReport,
+        backlog: bool,
+    ) -> _PrefillTicket | None:
         """The chosen prefill's prediction (queue + compute + pull) and what to do with its
-        measured duration (sequential PD). Without a Conductor cost (no prefix scorer in
-        ttft unit) the whole prompt counts as computed, and the fit learns nothing from it
-        (what the pod had cached is unknown)."""
+        measured duration (sequential PD); None when neither the fit nor the backlog
+        needs it. Without a Conductor cost (no prefix scorer in ttft unit) the whole prompt
+        counts as computed, and the fit learns nothing from it (what the pod had cached is
+        unknown)."""
         known = report.compute_tokens is not None and report.pull_tokens is not None
+        if not (known or backlog):
+            return None
         if report.compute_tokens is not None and report.pull_tokens is not None:
             compute = report.compute_tokens[index]
             pull_s = report.pull_tokens[index] * ctx.server_costs.pull_s_per_token
@@ -626,14 +699,14 @@ class PipelineScheduler:
 
     @staticmethod
     def _within(
-        cands: Candidates,
+        groups: list[str | None],
         costs: list[float],
         group: str | None,
         tolerance: float,
         rng_index: Callable[[int], int],
     ) -> int:
-        members = [i for i, p in enumerate(cands.pods) if p.group == group]
-        best = min(costs[i] for i in members)
+        members = [i for i, name in enumerate(groups) if name == group]
+        best = min(map(costs.__getitem__, members))
         ties = [i for i in members if costs[i] <= best + tolerance]
         return ties[0] if len(ties) == 1 else ties[rng_index(len(ties))]
 
@@ -647,7 +720,7 @@ class PipelineScheduler:
         index: int,
         report: _PrefixReport,
     ) -> None:
-        for scorer in profile.scorers:
+        for scorer in profile.recorders:
             scorer.picked(ctx, cands, index)
         metrics = self.metrics
         cached: float | None = None

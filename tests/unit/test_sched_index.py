@@ -13,8 +13,10 @@ from engine_sim.prefix_cache import PrefixCache
 from router.kvhash.keyspace import KeySpace
 from router.scheduling.approx_index import MIN_BLOCKS_PER_POD, ApproximatePrefixIndex
 from router.scheduling.block_hash import (
+    ApproximateHasher,
     PreciseHasher,
     approximate_block_hashes,
+    render_prompt,
     render_prompt_bytes,
 )
 from router.scheduling.block_index import PodSlots, leading_depths, leading_depths_with_shared
@@ -66,6 +68,46 @@ def test_model_and_salt_are_mixed_into_the_first_block() -> None:
 
 def test_max_blocks_bounds_the_work() -> None:
     assert len(approximate_block_hashes(b"z" * 100_000, "m", None, 256, max_blocks=10)) == 10
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    systems=st.lists(st.text(min_size=0, max_size=3000), min_size=1, max_size=3),
+    question=st.text(max_size=1200),
+    block_bytes=st.sampled_from([16, 64, 256]),
+    max_blocks=st.sampled_from([3, 40, 4096]),
+    salt=st.sampled_from([None, "tenant"]),
+)
+def test_approximate_memo_gives_the_reference_hashes(
+    systems: list[str], question: str, block_bytes: int, max_blocks: int, salt: str | None
+) -> None:
+    """The leading-messages memo is exact: cold, warm, and with a new last message."""
+    hasher = ApproximateHasher(entries=4, max_hashes=500)
+    for system in systems:
+        for q in (question, question + "?", question):
+            body = {"messages": [{"role": "system", "content": system},
+                                 {"role": "user", "content": q}]}  # fmt: skip
+            rendered = render_prompt(CHAT, body)
+            assert rendered is not None
+            data, lead = rendered
+            assert data == render_prompt_bytes(CHAT, body)
+            assert data[:lead] == render_prompt_bytes(CHAT, {"messages": body["messages"][:1]})
+            expected = approximate_block_hashes(data, "m", salt, block_bytes, max_blocks)
+            assert hasher.hashes(data, lead, "m", salt, block_bytes, max_blocks) == expected
+    assert len(hasher) <= 4
+
+
+def test_approximate_memo_is_bounded_and_keyed_by_model_and_block_size() -> None:
+    hasher = ApproximateHasher(entries=3, max_hashes=10_000)
+    for i in range(10):
+        body = {"messages": [{"role": "system", "content": f"{i} " + "x" * 4000},
+                             {"role": "user", "content": "q"}]}  # fmt: skip
+        rendered = render_prompt(CHAT, body)
+        assert rendered is not None
+        for model, size in (("m", 256), ("other", 256), ("m", 512)):
+            got = hasher.hashes(*rendered, model, None, size)
+            assert got == approximate_block_hashes(rendered[0], model, None, size)
+    assert len(hasher) == 3
 
 
 def test_chat_rendering_is_deterministic_and_distinguishes_content() -> None:

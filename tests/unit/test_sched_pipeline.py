@@ -493,3 +493,33 @@ def test_score_unit_profiles() -> None:
     assert pick is not None and pick.prefill is not None and pick.prefill.pod_name == "p1"
     assert sample(rt.metrics.registry, "pdgate_scheduler_decision_seconds_count",
                   kind="pd") == 1
+
+
+def test_lock_free_decision_metrics_expose_what_prometheus_client_would() -> None:
+    """The scheduler's per-decision histograms and counters (`metrics.LocalHistogram`,
+    `LocalCounter`) read the same as prometheus-client's own, bucket edges included."""
+    from prometheus_client import Counter as PromCounter
+    from prometheus_client import Histogram
+
+    from router.scheduling.metrics import DECISION_BUCKETS, SchedulerMetrics
+
+    ours = CollectorRegistry()
+    metrics = SchedulerMetrics(ours)
+    theirs = CollectorRegistry()
+    histogram = Histogram("pdgate_scheduler_decision_seconds", "", ["kind"],
+                          buckets=DECISION_BUCKETS, registry=theirs)
+    counter = PromCounter("pdgate_prefix_cache_hits", "", ["index"], registry=theirs)
+    values = [0.0, 5e-6, 5.0001e-6, 1e-5, 3e-5, 0.05, 0.0500001, 7.0, *DECISION_BUCKETS]
+    for v in values:
+        metrics.decision_pd.observe(v)
+        histogram.labels(kind="pd").observe(v)
+    metrics.hits["approximate"].inc(3)
+    metrics.hits["approximate"].inc(4)
+    counter.labels(index="approximate").inc(7)
+    compared = 0
+    for family in theirs.collect():
+        for s in family.samples:
+            if not s.name.endswith("_created"):
+                assert ours.get_sample_value(s.name, s.labels) == s.value, s
+                compared += 1
+    assert compared == len(DECISION_BUCKETS) + 1 + 2 + 1  # buckets, +Inf, count, sum; hits

@@ -196,3 +196,24 @@ async def test_scrape_once_and_stale_values() -> None:
         assert store.get(f"ns/p{port}", 1000.6) is None  # older than 5 intervals: unknown
     finally:
         await runner.cleanup()
+
+
+def test_get_many_is_memoized_until_a_scrape_lands_or_a_load_goes_stale() -> None:
+    from router.scheduling.metrics_scraper import EngineLoad, EngineMetricsStore
+
+    store = EngineMetricsStore(stale_after_s=10.0)
+    keys = ["a", "b", "c"]
+    store.put("a", EngineLoad(waiting=1.0, at=100.0))
+    store.put("b", EngineLoad(waiting=2.0, at=105.0))
+    first = store.get_many(keys, 106.0)
+    assert [load and load.waiting for load in first] == [1.0, 2.0, None]
+    assert store.get_many(keys, 110.0) is first  # nothing changed: the same answer
+    later = store.get_many(keys, 110.5)  # "a" went stale after 110.0
+    assert later is not first and [load and load.waiting for load in later] == [None, 2.0, None]
+    store.put("c", EngineLoad(waiting=3.0, at=111.0))  # a scrape lands
+    fresh = store.get_many(keys, 111.0)
+    assert [load and load.waiting for load in fresh] == [None, 2.0, 3.0]
+    keys.append("a")  # a list changed in place is never misread
+    assert len(store.get_many(keys, 111.0)) == 4
+    store.stale_after_s = 100.0  # a reconfiguration applies at once
+    assert [load and load.waiting for load in store.get_many(keys, 111.0)] == [1.0, 2.0, 3.0, 1.0]

@@ -52,9 +52,9 @@ def approximate_scores(
         return [(d + factor * max(0, pooled - d)) / total for d in depths]
     tokens = float(ctx.prompt.token_count())
     per_block = tokens / total
-    return ctx.prefix_scores(
-        tokens, [d * per_block for d in depths], [max(d, pooled) * per_block for d in depths]
-    )
+    local = [d * per_block for d in depths]
+    reach = [max(d, pooled) * per_block for d in depths] if pooled else local
+    return ctx.prefix_scores(tokens, local, reach)
 
 
 def record_approximate(

@@ -13,9 +13,10 @@ ttft scale: Q x r (r: see `least-request`), so w x scale x (1 - s_p) = min(q_p, 
 
 from __future__ import annotations
 
-from typing import ClassVar
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
-from router.scheduling.context import Candidates, PickContext
+from router.scheduling.context import Candidates, EngineMemo, PickContext, SchedulerDeps
 from router.scheduling.scorers.base import Param, Scorer, fill_unknown
 
 
@@ -23,7 +24,14 @@ class QueueScorer(Scorer):
     type_name = "queue"
     PARAMS: ClassVar = {"threshold": Param(float, 32.0, 1.0)}
 
+    def __init__(self, weight: float, deps: SchedulerDeps, params: Mapping[str, Any]) -> None:
+        super().__init__(weight, deps, params)
+        self._memo: EngineMemo[list[float]] = EngineMemo()  # per scrape, not per decision
+
     def score(self, ctx: PickContext, cands: Candidates) -> list[float]:
+        known = self._memo.get(cands.engine)
+        if known is not None:
+            return known
         limit: float = self.params["threshold"]
         scores: list[float | None] = [
             None
@@ -31,7 +39,7 @@ class QueueScorer(Scorer):
             else (0.0 if e.waiting >= limit else 1.0 - e.waiting / limit)
             for e in cands.engine
         ]
-        return fill_unknown(scores)
+        return self._memo.put(cands.engine, fill_unknown(scores))
 
     def scale_s(self, ctx: PickContext, cands: Candidates) -> float:
         limit: float = self.params["threshold"]

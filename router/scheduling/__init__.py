@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from router.view import Endpoint, ServerPods
+
+if TYPE_CHECKING:
+    from router.scheduling.block_hash import LeadingBlocks
 
 
 @dataclass(slots=True)
@@ -19,7 +22,9 @@ class ScheduleRequest:
     """What a scheduler may look at: the parsed body and the request's headers.
 
     `tokens`: the prompt's token ids when already computed off the event loop
-    (`prepare`); None lets the scheduler tokenize when it needs to. `flow`: the endpoint's
+    (`prepare`); None lets the scheduler tokenize when it needs to. `leading`: instead of
+    them, the prompt's leading block keys in one key space (its `ident`) when `prepare`
+    hashed only as far as any pod's match can reach. `flow`: the endpoint's
     (`router.request.Flow`): `pd` picks a pair on a PD server; `generate` and `single`
     pick one pod (a PD server's decode pod), `single` by load alone.
     """
@@ -30,6 +35,7 @@ class ScheduleRequest:
     headers: Mapping[str, str]
     tokens: Sequence[int] | None = None
     flow: str = "pd"
+    leading: tuple[int, LeadingBlocks] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,6 +23,7 @@ from router.scheduling.approx_index import ApproximatePrefixIndex
 from router.scheduling.backlog import PrefillBacklog
 from router.scheduling.block_hash import (
     ApproximateHasher,
+    LeadingBlocks,
     PreciseHasher,
     PromptTokens,
     approximate_block_hashes,
@@ -226,6 +227,8 @@ class PromptInfo:
         "_estimate",
         "_hasher",
         "_lead",
+        "_leading",
+        "_leading_space",
         "_max_blocks",
         "_precise",
         "_precise_space",
@@ -259,6 +262,8 @@ class PromptInfo:
         self._tokens: PromptTokens | bool | None = False
         self._precise: list[int] | None = None
         self._precise_space: KeySpace | None = None
+        self._leading: LeadingBlocks | None = None
+        self._leading_space: KeySpace | None = None
 
     def rendered(self) -> bytes | None:
         if self._rendered is False:
@@ -315,10 +320,40 @@ class PromptInfo:
             )
         return self._precise
 
+    def leading_hashes(self, space: KeySpace | None, known: Callable[[int], bool]) -> list[int]:
+        """The prompt's block keys in `space` up to the first block `known` says no pod or
+        pool holds (`PreciseHasher.leading_hashes`): all a precise match needs, without
+        encoding the rest of the prompt. All of them when the token ids are known anyway."""
+        space = space or self._hasher.space
+        if (
+            (self._precise is not None and self._precise_space is space)
+            or isinstance(self._tokens, PromptTokens)
+            or self.request.tokens is not None
+        ):
+            return self.precise_hashes(space)
+        if self._leading is None or self._leading_space is not space:
+            req = self.request
+            prepared = req.leading
+            if prepared is not None and prepared[0] == space.ident:
+                leading = prepared[1]
+            else:
+                stream = self._hasher.id_stream(req.path, req.body, self._server)
+                leading = (
+                    LeadingBlocks([], -1, False)
+                    if stream is None
+                    else self._hasher.leading_hashes(stream, salt_of(req.body), space, known)
+                )
+            self._leading, self._leading_space = leading, space
+            req.leading = (space.ident, leading)  # a retry of this request reuses them
+        return self._leading.keys
+
     def token_count(self) -> int:
-        """Exact when the precise hash was computed, else estimated from the rendered bytes."""
+        """Exact when the token ids were computed, estimated from what was encoded of them
+        when only leading blocks were, else from the rendered bytes."""
         if isinstance(self._tokens, PromptTokens):
             return len(self._tokens.ids)
+        if self._leading is not None and self._leading.tokens >= 0:
+            return self._leading.tokens
         estimate = self._estimate
         if estimate < 0:
             data = self.rendered()

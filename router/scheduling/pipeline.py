@@ -42,7 +42,7 @@ from typing import Any
 
 from router.scheduling import Pick, ScheduleRequest
 from router.scheduling.backlog import PrefillBacklog
-from router.scheduling.block_hash import CHAT_PATH
+from router.scheduling.block_hash import CHAT_PATH, LeadingBlocks, salt_of
 from router.scheduling.config import ProfileConfig, SchedulerConfig
 from router.scheduling.context import (
     Candidates,
@@ -389,6 +389,23 @@ class PipelineScheduler:
             return
         if prompt_chars(_endpoint(request.path, request.body), request.body) < pool.min_chars:
             return  # cheaper inline, in `pick`
+        costs = self._layout(server).costs
+        precise = deps.precise
+        if not costs.pool.enabled or precise.store_fed(costs.scope):
+            # Only the leading blocks any pod or pool holds matter (no pool view to feed).
+            space = precise.space(costs.scope) or deps.hasher.space
+            known, hasher, salt = precise.known(costs.scope), deps.hasher, salt_of(request.body)
+
+            def leading() -> LeadingBlocks | None:
+                stream = hasher.id_stream(request.path, request.body, server.server)
+                return None if stream is None else hasher.leading_hashes(
+                    stream, salt, space, known
+                )
+
+            found = await pool.call(leading)
+            if found is not None:
+                request.leading = (space.ident, found)
+            return
         prompts = await self.prompt_ids(server, request.path, request.body)
         if prompts:
             request.tokens = prompts[0]

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import sys
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Final
 
 from router.kvhash.keyspace import TOKENS_ROOT, KeySpace
@@ -77,6 +77,7 @@ class PrecisePrefixIndex:
         self._translated: set[str] = set()  # pods whose entries pack router keys
         self._stores: dict[str, OrderedDict[int, None]] = {}
         self._aliases: dict[str, OrderedDict[int, int]] = {}  # tokens-mode pools
+        self._store_fed: set[str] = set()  # scopes whose pods publish store-medium events
         self._spaces: dict[str, KeySpace] = {}
         self._media: dict[str | None, int] = {None: 1, GPU_MEDIUM: 1}
         self.overflow_evictions = 0
@@ -104,6 +105,7 @@ class PrecisePrefixIndex:
             if (old.ident if old else None) != (new.ident if new else None):
                 self._stores.pop(scope, None)
                 self._aliases.pop(scope, None)
+                self._store_fed.discard(scope)
         self._spaces = dict(spaces)
 
     def space(self, scope: str) -> KeySpace | None:
@@ -164,6 +166,7 @@ class PrecisePrefixIndex:
             self.unkeyed_blocks += len(hashes)
             return
         if self.is_store_medium(medium):
+            self._store_fed.add(scope)
             self._store_pool(scope, hashes, keys, translated)
             return
         if (key in self._translated) != translated:
@@ -281,6 +284,7 @@ class PrecisePrefixIndex:
         for scope in [s for s in self._stores if s not in present]:
             del self._stores[scope]
             self._aliases.pop(scope, None)
+        self._store_fed &= present
 
     # -- lookups --------------------------------------------------------------------------
 
@@ -315,6 +319,21 @@ class PrecisePrefixIndex:
             [lget(s, 0) for s in slots],
             [max(rget(s, 0), pooled) for s in slots],
         )
+
+    def known(self, scope: str) -> Callable[[int], bool]:
+        """Whether any pod, or `scope`'s store pool, holds a block (index key): where a
+        lazily hashed prompt may stop (`PreciseHasher.leading_hashes`). Only dict
+        membership tests: safe to call from a tokenizing thread."""
+        masks = self._masks
+        pool = self._stores.get(scope)
+        if pool is None:
+            return masks.__contains__
+        return lambda block_key: block_key in masks or block_key in pool
+
+    def store_fed(self, scope: str) -> bool:
+        """Whether `scope`'s pods have published blocks with a store medium: then the
+        store pool is known from the engines and need not be inferred from dispatches."""
+        return scope in self._store_fed
 
     def holds(self, key: str, block_hash: int) -> bool:
         blocks = self._pods.get(key)

@@ -14,15 +14,17 @@ which the caller tokenizes inline rather than queue without bound); smaller ones
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 from router.tokenization.tokenizer import Endpoint, ModelTokenizer
 
 OFFLOAD_MIN_CHARS: Final = 1_000
 TOKENIZE_THREADS: Final = 2
 MAX_PENDING_JOBS: Final = 64
+
+T = TypeVar("T")
 
 
 def prompt_chars(endpoint: Endpoint, body: Mapping[str, Any]) -> int:
@@ -69,14 +71,17 @@ class TokenizePool:
 
         Raises what `request_ids` raises (`ChatInputError`).
         """
-        if prompt_chars(endpoint, body) < self.min_chars or self._pending >= self._max_pending:
+        if prompt_chars(endpoint, body) < self.min_chars:
             return tokenizer.request_ids(endpoint, body)
+        return await self.call(lambda: tokenizer.request_ids(endpoint, body))
+
+    async def call(self, job: Callable[[], T]) -> T:
+        """`job()` on the pool, or inline when `max_pending` jobs are already waiting."""
+        if self._pending >= self._max_pending:
+            return job()
         self._pending += 1
         try:
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(
-                self._executor, tokenizer.request_ids, endpoint, body
-            )
+            return await asyncio.get_running_loop().run_in_executor(self._executor, job)
         finally:
             self._pending -= 1
 

@@ -40,8 +40,9 @@ from __future__ import annotations
 import json
 import re
 import threading
+from array import array
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, Literal
 
@@ -70,10 +71,13 @@ class TokenizerLoadError(ValueError):
 
 
 class _LRU:
-    """A small thread-safe LRU of str -> token ids, bounded in entries and stored ids."""
+    """A small thread-safe LRU of str -> token ids, bounded in entries and stored ids.
+
+    Ids are kept as 4-byte `array("I")` items: a tuple of Python ints costs about 36 bytes
+    an id (the memo of a long-prompt workload was ~36 MB as tuples, ~4 MB as arrays)."""
 
     def __init__(self, entries: int, tokens: int) -> None:
-        self._data: OrderedDict[Any, tuple[int, ...]] = OrderedDict()
+        self._data: OrderedDict[Any, array[int]] = OrderedDict()
         self._entries = entries
         self._tokens = tokens
         self._stored = 0
@@ -81,7 +85,7 @@ class _LRU:
         self.hits = 0
         self.misses = 0
 
-    def get(self, key: Any) -> tuple[int, ...] | None:
+    def get(self, key: Any) -> array[int] | None:
         with self._lock:
             value = self._data.get(key)
             if value is None:
@@ -91,11 +95,11 @@ class _LRU:
             self.hits += 1
             return value
 
-    def put(self, key: Any, value: tuple[int, ...]) -> None:
+    def put(self, key: Any, value: Sequence[int]) -> None:
         with self._lock:
             if key in self._data:
                 return
-            self._data[key] = value
+            self._data[key] = array("I", value)
             self._stored += len(value)
             while self._data and (
                 len(self._data) > self._entries or self._stored > self._tokens
@@ -105,6 +109,24 @@ class _LRU:
 
     def __len__(self) -> int:
         return len(self._data)
+
+
+def _spec_of(backend: tokenizers.Tokenizer) -> dict[str, Any]:
+    """The parts of `tokenizer.json` the memo's exactness depends on, read back from the
+    loaded tokenizer: parsing the whole file in Python as well (vocabulary and merges)
+    would double the load's peak memory (~110 vs ~67 MB for DeepSeek's 128k BPE)."""
+
+    def state(part: Any) -> Any:
+        return None if part is None else json.loads(part.__getstate__())
+
+    return {
+        "normalizer": state(backend.normalizer),
+        "pre_tokenizer": state(backend.pre_tokenizer),
+        "added_tokens": [
+            {"lstrip": t.lstrip, "rstrip": t.rstrip, "single_word": t.single_word}
+            for t in backend.get_added_tokens_decoder().values()
+        ],
+    }
 
 
 def _piecewise(spec: Mapping[str, Any]) -> bool:
@@ -195,9 +217,8 @@ class ModelTokenizer:
         """Load `directory`'s tokenizer.json + tokenizer_config.json (+ a template file)."""
         file = directory / "tokenizer.json"
         try:
-            raw = file.read_text(encoding="utf-8")
-            spec = json.loads(raw)
-            backend = tokenizers.Tokenizer.from_str(raw)
+            backend = tokenizers.Tokenizer.from_file(str(file))
+            spec = _spec_of(backend)
         except (OSError, ValueError, Exception) as exc:  # tokenizers raises Exception
             raise TokenizerLoadError(f"{file}: {exc}") from exc
         try:
@@ -263,47 +284,35 @@ class ModelTokenizer:
         key = (add_special_tokens, text)
         hit = self._texts.get(key)
         if hit is not None:
-            return hit
+            return tuple(hit)
         ids = tuple(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
         self._texts.put(key, ids)
         return ids
 
     def encode_chat_text(self, text: str) -> tuple[int, ...]:
         """Token ids of rendered chat text, no special tokens added (piece memo)."""
-        if not self.piecewise or self._splitter is None:
+        pieces = self._chat_pieces(text)
+        if pieces is None:
             return self.encode(text, add_special_tokens=False)
-        pieces = self._splitter.split(text)
-        if self.chunked:  # long pieces cut in exact chunks (the module docstring)
-            cut: list[str] = []
-            for i, piece in enumerate(pieces):
-                if i % 2 or len(piece) < 2 * CHUNK_CHARS:
-                    cut.append(piece)
-                else:  # keep added tokens at odd positions: empty separators between chunks
-                    for j, chunk in enumerate(chunks(piece)):
-                        if j:
-                            cut.append("")
-                        cut.append(chunk)
-            pieces = cut
-        out: list[tuple[int, ...] | None] = []
+        out: list[Sequence[int] | None] = []
         misses: list[int] = []
-        added = self._added_ids
         for i, piece in enumerate(pieces):
             if i % 2:  # an added token (or an empty separator between chunks)
-                out.append((added[piece],) if piece else ())
+                out.append((self._added_ids[piece],) if piece else ())
                 continue
             if not piece:
                 out.append(())
-            else:
-                hit = self._pieces.get(piece) if len(piece) >= PIECE_MEMO_MIN_CHARS else None
-                out.append(hit)
-                if hit is None:
-                    misses.append(i)
+                continue
+            hit = self._pieces.get(piece) if len(piece) >= PIECE_MEMO_MIN_CHARS else None
+            out.append(hit)
+            if hit is None:
+                misses.append(i)
         if misses:
             encoded = self._backend.encode_batch(
                 [pieces[i] for i in misses], add_special_tokens=False
             )
             for i, enc in zip(misses, encoded, strict=True):
-                fresh = tuple(enc.ids)
+                fresh = enc.ids
                 out[i] = fresh
                 if len(pieces[i]) >= PIECE_MEMO_MIN_CHARS:
                     self._pieces.put(pieces[i], fresh)
@@ -312,6 +321,41 @@ class ModelTokenizer:
             if piece_ids:
                 result.extend(piece_ids)
         return tuple(result)
+
+    def _chat_pieces(self, text: str) -> list[str] | None:
+        """`text` cut at added tokens (at odd positions; "" between the chunks of a long
+        piece), or None when this tokenizer must encode whole texts (module docstring)."""
+        if not self.piecewise or self._splitter is None:
+            return None
+        pieces = self._splitter.split(text)
+        if not self.chunked:
+            return pieces
+        cut: list[str] = []
+        for i, piece in enumerate(pieces):
+            if i % 2 or len(piece) < 2 * CHUNK_CHARS:
+                cut.append(piece)
+            else:  # keep added tokens at odd positions: empty separators between chunks
+                for j, chunk in enumerate(chunks(piece)):
+                    if j:
+                        cut.append("")
+                    cut.append(chunk)
+        return cut
+
+    def _piece_ids(self, index: int, piece: str) -> Sequence[int]:
+        """Ids of `_chat_pieces(...)[index]`: an added token's id, or the piece encoded
+        (memoized)."""
+        if index % 2:
+            return (self._added_ids[piece],) if piece else ()
+        if not piece:
+            return ()
+        memoize = len(piece) >= PIECE_MEMO_MIN_CHARS
+        hit = self._pieces.get(piece) if memoize else None
+        if hit is not None:
+            return hit
+        fresh = self._backend.encode(piece, add_special_tokens=False).ids
+        if memoize:
+            self._pieces.put(piece, fresh)
+        return fresh
 
     def vocab(self) -> dict[str, int]:
         """Token string -> id, added tokens included."""
@@ -407,6 +451,12 @@ class ModelTokenizer:
         """Token ids of a chat request body (`messages`, `tools`, `add_generation_prompt`,
         `continue_final_message`, `chat_template_kwargs`, `documents`,
         `add_special_tokens`), as vLLM's chat and `/tokenize` compute them."""
+        text = self._render_request(body, allow_request_template)
+        if _flag(body, "add_special_tokens", False):
+            return self.encode(text, add_special_tokens=True)
+        return self.encode_chat_text(text)
+
+    def _render_request(self, body: Mapping[str, Any], allow_request_template: bool) -> str:
         request_template = body.get("chat_template")
         if request_template is not None and not allow_request_template:
             raise ChatInputError(
@@ -423,7 +473,7 @@ class ModelTokenizer:
             raise ChatInputError(
                 "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
             )
-        text = self.render_chat(
+        return self.render_chat(
             body.get("messages"),  # type: ignore[arg-type]
             tools=body.get("tools"),
             add_generation_prompt=add_generation_prompt,
@@ -432,9 +482,6 @@ class ModelTokenizer:
             documents=body.get("documents"),
             chat_template=request_template if isinstance(request_template, str) else None,
         )
-        if _flag(body, "add_special_tokens", False):
-            return self.encode(text, add_special_tokens=True)
-        return self.encode_chat_text(text)
 
     # -- completions ----------------------------------------------------------------------------
 
@@ -467,6 +514,19 @@ class ModelTokenizer:
             return [self.chat_ids(body)]
         return self.completion_ids(body.get("prompt"), _flag(body, "add_special_tokens", True))
 
+    def id_stream(self, endpoint: Endpoint, body: Mapping[str, Any]) -> IdStream:
+        """The first prompt's token ids, encoded only as far as they are read: a chat
+        prompt piece by piece where that is exact (module docstring), anything else whole.
+        Raises what `request_ids` raises (`ChatInputError`), at once."""
+        if endpoint == "chat" and not _flag(body, "add_special_tokens", False):
+            text = self._render_request(body, False)
+            pieces = self._chat_pieces(text)
+            if pieces is not None:
+                return IdStream(self, pieces, len(text))
+            return IdStream.whole(self.encode(text, add_special_tokens=False))
+        prompts = self.request_ids(endpoint, body)
+        return IdStream.whole(prompts[0] if prompts else ())
+
     @property
     def memo_stats(self) -> dict[str, int]:
         p, t = self._pieces, self._texts
@@ -474,6 +534,53 @@ class ModelTokenizer:
             "piece_entries": len(p), "piece_hits": p.hits, "piece_misses": p.misses,
             "text_entries": len(t), "text_hits": t.hits, "text_misses": t.misses,
         }
+
+
+class IdStream:
+    """A prompt's token ids in order, one piece at a time, each encoded when it is reached
+    (`ModelTokenizer.id_stream`): whoever stops reading early never pays for the rest.
+    `chars` is the rendered prompt's length and `chars_read` how much of it has been
+    encoded, so `estimate(tokens_read)` can size the remainder at the rate seen so far."""
+
+    __slots__ = ("_ids", "_pieces", "_tokenizer", "chars", "chars_read")
+
+    def __init__(
+        self,
+        tokenizer: ModelTokenizer | None,
+        pieces: list[str],
+        chars: int,
+        ids: Sequence[int] = (),
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._pieces = pieces
+        self._ids = ids
+        self.chars = chars
+        self.chars_read = 0
+
+    @classmethod
+    def whole(cls, ids: Sequence[int]) -> IdStream:
+        """A stream of ids already computed (nothing left to estimate)."""
+        return cls(None, [], 0, ids)
+
+    def __iter__(self) -> Iterator[Sequence[int]]:
+        tokenizer = self._tokenizer
+        if tokenizer is None:
+            if self._ids:
+                yield self._ids
+            return
+        for index, piece in enumerate(self._pieces):
+            ids = tokenizer._piece_ids(index, piece)
+            self.chars_read += len(piece)
+            if ids:
+                yield ids
+
+    def estimate(self, tokens_read: int) -> int:
+        """The prompt's token count: `tokens_read` plus the unread characters at the
+        characters-per-token rate of what was read."""
+        left = self.chars - self.chars_read
+        if left <= 0 or tokens_read <= 0 or self.chars_read <= 0:
+            return tokens_read + max(0, left) // 4  # nothing read yet: ~4 characters a token
+        return tokens_read + round(left * tokens_read / self.chars_read)
 
 
 def _id_of(backend: tokenizers.Tokenizer, token: str | None) -> int | None:

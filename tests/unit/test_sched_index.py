@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -202,6 +203,52 @@ def test_precise_memo_is_bounded() -> None:
         ids = [rng.randrange(30_000) for _ in range(200)]
         assert hasher.block_hashes(ids, None) == hash_prompt_blocks(ids)
     assert hasher.memo_size <= 5
+
+
+@pytest.mark.parametrize("salt", [None, "tenant-a"])
+def test_leading_hashes_stop_at_the_first_block_nobody_holds(salt: str | None) -> None:
+    """Hashed lazily, a long prompt is encoded only up to the first block no pod or pool
+    holds: the keys found are the full hash's leading ones, the rest is never encoded, and
+    its tokens are estimated within a few percent."""
+    hasher = hasher_for(space=VLLM_SEED_0)
+    rng = random.Random(4)
+    words = ("alpha", "beta", "gamma", "delta", "naïve", "東京", "x1", "42", "it's")
+    body = chat(" ".join(rng.choice(words) for _ in range(4000)), "and the question?",
+                salt=salt)
+    tokens = hasher.tokens(CHAT, body, SERVER)
+    assert tokens is not None
+    full = hasher.block_hashes(tokens.ids, salt)
+    assert full == hash_prompt_blocks(list(tokens.ids), cache_salt=salt)
+    third = len(full) // 3
+    held = set(full[:third])  # some pod holds the first third
+    stream = hasher.id_stream(CHAT, body, SERVER)
+    assert stream is not None
+    found = hasher.leading_hashes(stream, salt, VLLM_SEED_0, held.__contains__)
+    assert found.keys == full[:third] and not found.complete
+    assert stream.chars_read < stream.chars / 2  # the rest was never encoded
+    assert abs(found.tokens - len(tokens.ids)) <= 0.05 * len(tokens.ids)
+    # Everything held: every key, and the exact count.
+    everything = hasher.leading_hashes(
+        hasher.id_stream(CHAT, body, SERVER), salt, VLLM_SEED_0, set(full).__contains__  # type: ignore[arg-type]
+    )
+    assert everything.keys == full and everything.complete
+    assert everything.tokens == len(tokens.ids)
+    # Nothing held: no key, and a token count from the first piece alone.
+    nothing = hasher.leading_hashes(
+        hasher.id_stream(CHAT, body, SERVER), salt, VLLM_SEED_0, lambda key: False  # type: ignore[arg-type]
+    )
+    assert nothing.keys == [] and abs(nothing.tokens - len(tokens.ids)) < 0.1 * len(tokens.ids)
+
+
+def test_leading_hashes_of_completions_and_untokenizable_bodies() -> None:
+    hasher = hasher_for(space=VLLM_SEED_0)
+    ids = list(range(100, 140))
+    stream = hasher.id_stream(COMPLETIONS, {"prompt": ids}, SERVER)
+    assert stream is not None
+    found = hasher.leading_hashes(stream, None, VLLM_SEED_0, lambda key: True)
+    assert found.keys == hash_prompt_blocks(ids) and found.tokens == 40 and found.complete
+    assert hasher.id_stream(CHAT, {"messages": "nope"}, SERVER) is None
+    assert hasher.id_stream(CHAT, chat("x"), sim_server(tokenizer=None, name="o")) is None
 
 
 # -- the bitmask core --------------------------------------------------------------------------

@@ -174,6 +174,58 @@ def test_precise_prefix_cache_counts_store_hits_at_a_factor() -> None:
     assert ctx.pull_tokens == [96, 160] and ctx.compute_tokens == [tokens - 160] * 2
 
 
+def test_precise_scores_from_leading_blocks_equal_the_full_hash() -> None:
+    """Scored lazily (keys only up to the first block no pod or pool holds), a prompt
+    gets the same scores as from all its keys, in both units."""
+    rt = runtime()
+    server = pd_server({"g": (["p1", "p2"], ["d1"])})
+    full = context(rt, server, request()).prompt.precise_hashes()
+    rt.precise.stored("default/p1", "default/pd", full[:4], "GPU")
+    rt.precise.stored("default/p2", "default/pd", full[:7], "GPU")
+    rt.precise.stored("default/p1", "default/pd", full[:10], "MOONCAKE")
+    scorer = PrecisePrefixCacheScorer(1.0, rt.deps, {"storeHitFactor": 0.5})
+    cands = candidates(rt, list(server.groups[0].prefill))
+    for ttft_unit in (False, True):
+        exact = context(rt, server, request())
+        exact.prompt.precise_hashes()  # every key first: the full path
+        lazy = context(rt, server, request())
+        exact.ttft_unit = lazy.ttft_unit = ttft_unit
+        assert scorer.score(lazy, cands) == pytest.approx(scorer.score(exact, cands))
+        assert lazy.precise_local == exact.precise_local == [4, 7]
+        assert lazy.precise_reach == exact.precise_reach == [10, 10]
+        assert lazy.precise_hashes == exact.precise_hashes == len(full)
+        assert lazy.prompt.token_count() == exact.prompt.token_count()
+
+
+def test_dispatches_feed_the_precise_pool_only_while_engines_publish_no_store_events() -> None:
+    rt = runtime()
+    server = ServerPods(
+        server=ModelServer(meta=ObjectMeta(name="pd", annotations={
+            "pdgate.io/kv-pool": "mooncake-store"}), model="m", inference_engine="vLLM",
+            match_labels={"app": "pd"},
+            pd_group=PDGroup("group", {"role": "prefill"}, {"role": "decode"}), port=8000),
+        groups=pd_server({"g": (["p1", "p2"], ["d1"])}).groups,
+    )  # fmt: skip
+    scorer = PrecisePrefixCacheScorer(1.0, rt.deps, {})
+    cands = candidates(rt, list(server.groups[0].prefill))
+
+    def dispatch(question: str) -> list[int]:
+        ctx = context(rt, server, request(question))
+        ctx.server_costs = rt.scheduler._layout(server).costs
+        scorer.score(ctx, cands)
+        scorer.picked(ctx, cands, 0)
+        rt.deps.pending.flush(float("inf"))
+        return ctx.prompt.precise_hashes()
+
+    first = dispatch("first? " + "a long question " * 40)
+    assert rt.precise.store_blocks("default/pd") >= set(first)  # inferred from dispatch
+    rt.precise.stored("default/p2", "default/pd", first[:3], "MOONCAKE")  # engines speak
+    before = rt.precise.store_blocks("default/pd")
+    second = dispatch("second? " + "another question " * 40)
+    assert not set(second) <= before  # a new prompt...
+    assert rt.precise.store_blocks("default/pd") == before  # ...left to the engines' events
+
+
 def test_least_request_score_and_its_seconds() -> None:
     rt = runtime()
     server = aggregated("a", "b", "c")

@@ -227,6 +227,24 @@ def test_piecewise_memo_equals_whole_text_encoding() -> None:
     assert tokenizer.memo_stats["piece_hits"] > 0
 
 
+def test_id_stream_yields_the_request_ids_piece_by_piece() -> None:
+    tokenizer = sim_tokenizer()
+    rng = random.Random(7)
+    bodies = [*CHATS.values(), {"messages": [{"role": "user", "content": _long_text(rng, 900)}]},
+              {"messages": [{"role": "user", "content": "hi"}], "add_special_tokens": True}]
+    for body in bodies:
+        stream = tokenizer.id_stream("chat", body)
+        ids = [i for piece in stream for i in piece]
+        assert ids == list(tokenizer.chat_ids(body)), body
+        assert stream.estimate(len(ids)) == len(ids)  # all read: exact
+    completion = tokenizer.id_stream("completion", {"prompt": "hello there"})
+    assert [i for piece in completion for i in piece] == list(
+        tokenizer.request_ids("completion", {"prompt": "hello there"})[0])
+    with pytest.raises(ChatInputError):
+        tokenizer.id_stream("chat", {"messages": [{"role": "user", "content": "x"}],
+                                     "chat_template": "{{ 1 }}"})
+
+
 def _long_text(rng: random.Random, words: int) -> str:
     vocab = ["alpha", "beta", "it's", "don't", "naïve", "東京", "x1", "42", "3.14", "e.g.",
              "(note)", "a-b", "#tag", "URL:", "http://x.y/z", "😀", "Ωmega", "über"]
@@ -274,6 +292,45 @@ def test_chunks_hold_for_a_gpt2_style_byte_level_bpe(tmp_path: Path) -> None:
     for _ in range(30):
         text = _long_text(rng, rng.randrange(400, 1200))
         assert tokenizer.encode_chat_text(text) == tuple(bpe.encode(text).ids)
+
+
+@pytest.mark.parametrize(("case", "expected"), [
+    ("byte-level", (True, True)),
+    ("byte-level with a prefix space", (True, False)),
+    ("normalizer", (False, False)),
+    ("metaspace, lstrip token", (False, False)),
+    ("whitespace, single-word token", (False, False)),
+])
+def test_memo_modes_follow_the_tokenizer_file(
+    tmp_path: Path, case: str, expected: tuple[bool, bool]
+) -> None:
+    """Piece and chunk memos only where they are exact (module docstring of `tokenizer`),
+    decided from the loaded tokenizer's own parts."""
+    from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers
+
+    parts: dict[str, tuple[Any, Any, AddedToken]] = {
+        "byte-level": (None, pre_tokenizers.ByteLevel(add_prefix_space=False),
+                       AddedToken("<x>")),
+        "byte-level with a prefix space": (
+            normalizers.Sequence([]), pre_tokenizers.ByteLevel(add_prefix_space=True),
+            AddedToken("<x>")),
+        "normalizer": (normalizers.NFC(), pre_tokenizers.ByteLevel(add_prefix_space=False),
+                       AddedToken("<x>")),
+        "metaspace, lstrip token": (None, pre_tokenizers.Metaspace(),
+                                    AddedToken("<x>", lstrip=True)),
+        "whitespace, single-word token": (None, pre_tokenizers.Whitespace(),
+                                          AddedToken("<x>", single_word=True)),
+    }  # fmt: skip
+    normalizer, pre, token = parts[case]
+    bpe = Tokenizer(models.BPE())
+    if normalizer is not None:
+        bpe.normalizer = normalizer
+    bpe.pre_tokenizer = pre
+    bpe.add_special_tokens([token])
+    bpe.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    loaded = ModelTokenizer.from_dir(tmp_path)
+    assert (loaded.piecewise, loaded.chunked) == expected
 
 
 # -- missing or broken tokenizers --------------------------------------------------------------

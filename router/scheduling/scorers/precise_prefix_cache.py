@@ -5,13 +5,14 @@
 
 - B   = the prompt's engine blocks (`block_hash.PreciseHasher`: the engine's tokens, keyed
         in the ModelServer's key space: vLLM's block hashes or token keys, see
-        `router.kvhash.keyspace`);
+        `router.kvhash.keyspace`); keys are computed only up to the first block no pod and
+        no pool holds (`PreciseHasher.leading_hashes`), the rest of B and T estimated;
 - L_p = leading blocks pod p holds itself (GPU, or a local offload medium such as CPU),
         from its KV events (`PrecisePrefixIndex`);
 - R_p = leading blocks pod p holds itself OR finds in the shared store pool of the
         ModelServer: blocks a pod published with a store medium (e.g. MOONCAKE), and,
-        when the ModelServer declares a pool (`pool_view.py`), the prompts the router
-        dispatched to it (engines that publish no store events are not blind);
+        when the ModelServer declares a pool (`pool_view.py`) and its engines publish no
+        store events, the prompts the router dispatched to it (so they are not blind);
 - T   = the prompt's tokens; L_p, R_p in tokens are blocks x the block size;
 - P, pull: the server's calibrated prefill curve and pool pull cost, as in `prefix-cache`
         (Mooncake's Conductor: the pool pays only when pulling beats recomputing);
@@ -56,9 +57,11 @@ class PrecisePrefixCacheScorer(Scorer):
         if self._fallen_back(ctx):
             return approximate_scores(ctx, cands, self.deps, self.params["storeHitFactor"])
         scope = scope_of(ctx.server)
-        space = self.deps.precise.space(scope)
-        hashes = ctx.prompt.precise_hashes(space)
-        total = len(hashes)
+        precise = self.deps.precise
+        space = precise.space(scope)
+        hashes = ctx.prompt.leading_hashes(space, precise.known(scope))
+        block = space.block_size if space is not None else self.deps.hasher.space.block_size
+        total = max(len(hashes), ctx.prompt.token_count() // block)
         factor: float = self.params["storeHitFactor"]
         ctx.precise_hashes = total
         ctx.store_factor = factor
@@ -67,14 +70,14 @@ class PrecisePrefixCacheScorer(Scorer):
             ctx.precise_local, ctx.precise_reach = zeros, zeros
             ctx.compute_tokens = None
             return [0.0] * len(cands)
-        local, reach = self.deps.precise.match(cands.keys, scope, hashes)
+        local, reach = precise.match(cands.keys, scope, hashes)
         ctx.precise_local, ctx.precise_reach = local, reach
         if not ctx.ttft_unit:
             return [
                 (held + factor * (both - held)) / total
                 for held, both in zip(local, reach, strict=True)
             ]
-        size = float(space.block_size if space is not None else self.deps.hasher.space.block_size)
+        size = float(block)
         if factor == 0:
             reach = local  # the engines cannot read the store: no pool credit at all
         return ctx.prefix_scores(
@@ -89,8 +92,8 @@ class PrecisePrefixCacheScorer(Scorer):
             record_approximate(ctx, cands, index, self.deps)
             return
         costs = ctx.server_costs
-        if not costs.pool.enabled:
-            return
+        if not costs.pool.enabled or self.deps.precise.store_fed(costs.scope):
+            return  # no pool, or the engines say what it holds
         space = self.deps.precise.space(costs.scope)
         hashes = ctx.prompt.precise_hashes(space)
         if hashes:

@@ -133,6 +133,8 @@ class KeySettings:
 
 
 def _pack(tokens: Sequence[int]) -> bytes:
+    if isinstance(tokens, array) and tokens.typecode == "I":
+        return tokens.tobytes()
     return array("I", tokens).tobytes()
 
 
@@ -250,9 +252,14 @@ class KeySpace:
         lora_extra = (lora_name,) if lora_name else None
         keys: list[int] = []
         key = parent_key
+        packed = _pack(token_ids)  # once: each block is a slice (`token_key`, inlined)
+        width = 4 * size
         for index in range(count):
             extra = extra_keys[index] if extra_keys is not None else lora_extra
-            key = token_key(key, token_ids[index * size : (index + 1) * size], extra)
+            data = packed[index * width : (index + 1) * width]
+            if extra is not None:
+                data += _encode(extra)
+            key = _xxh3(data, key)
             keys.append(key)
         return keys
 

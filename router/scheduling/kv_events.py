@@ -73,6 +73,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -199,11 +200,13 @@ def _stored(raw: Any, block_hashes: tuple[int, ...], medium: str | None) -> Stor
     size = _field(raw, "block_size", fields)
     lora = _field(raw, "lora_name", fields)
     extra = _field(raw, "extra_keys", fields)
-    token_ids = (
-        tuple(tokens)
-        if isinstance(tokens, list) and all(type(t) is int for t in tokens)
-        else None
-    )
+    token_ids: tuple[int, ...] | None = None
+    if isinstance(tokens, list):
+        try:
+            array("I", tokens)  # unsigned 32-bit ints, checked at C speed
+            token_ids = tuple(tokens)
+        except (TypeError, OverflowError):
+            token_ids = None
     return Stored(
         block_hashes,
         medium,

@@ -138,6 +138,13 @@ class PrecisePrefixIndex:
             return hashes, False
         if token_ids is None:
             return None, True
+        blocks = self._pods.get(key)
+        if blocks is not None and key in self._translated:
+            # The pod keyed these blocks already (a store write follows the GPU store of
+            # the same blocks): the same engine hash on the same pod is the same key.
+            entries = [blocks.get(engine_hash) for engine_hash in hashes]
+            if None not in entries:
+                return [entry >> MEDIA_SHIFT for entry in entries], True  # type: ignore[operator]
         parent_key = TOKENS_ROOT if parent is None else self._router_key(key, scope, parent)
         if parent_key is None:
             return None, True

@@ -162,6 +162,28 @@ def test_tokens_mode_follows_evictions_exactly() -> None:
     assert index.blocks_of("p") == set(engine.cache._blocks)
 
 
+def test_tokens_mode_store_writes_key_like_the_pods_own_blocks() -> None:
+    """A prefill pod's store write repeats blocks it just stored on GPU: the pool gets the
+    same router keys whether they are taken from the pod's table or hashed from tokens."""
+    space = KeySpace.of("tokens")
+    index = PrecisePrefixIndex()
+    index.set_spaces({SCOPE: space})
+    tokens = list(range(1000, 1000 + BS * 5))
+    expected = space.chain(tokens, cache_salt="s")
+    extra = [("s",)] + [None] * 4
+    index.stored("p", SCOPE, [1, 2, 3, 4, 5], "GPU", token_ids=tokens, block_size=BS,
+                 extra_keys=extra)
+    assert index.keys_of("p") == set(expected)
+    index.stored("p", SCOPE, [1, 2, 3, 4, 5], "MOONCAKE", token_ids=tokens, block_size=BS,
+                 extra_keys=extra)  # reused from the pod's table
+    index.stored("q", SCOPE, [1, 2, 3, 4, 5], "MOONCAKE", token_ids=tokens, block_size=BS,
+                 extra_keys=extra)  # hashed: pod q never stored them
+    index.stored("q", SCOPE, [6], "MOONCAKE", parent=5, token_ids=[7] * BS, block_size=BS)
+    assert index.store_blocks(SCOPE) == {*expected, space.chain([*tokens, *[7] * BS],
+                                                                cache_salt="s")[-1]}
+    assert index.unkeyed_blocks == 0
+
+
 def test_a_parent_the_router_never_saw_is_left_out_not_guessed() -> None:
     index = PrecisePrefixIndex()
     index.set_spaces({SCOPE: KeySpace.of("tokens")})

@@ -71,7 +71,7 @@ import xxhash
 from router.kvhash.keyspace import ChainState, KeySpace
 from router.resources import ModelServer
 from router.tokenization import ChatInputError, Endpoint, TokenizerRegistry
-from router.tokenization.tokenizer import IdStream
+from router.tokenization.tokenizer import IdStream, ModelTokenizer
 
 CHAT_PATH: Final = "/v1/chat/completions"
 
@@ -334,15 +334,10 @@ class PreciseHasher:
         if self._injected is not None:
             ids = self._injected(path, body)
             return None if ids is None else PromptTokens(ids)
-        if server is None or self._tokenizers is None:
+        found = self._tokenizer(path, body, server)
+        if found is None:
             return None
-        tokenizer = self._tokenizers.get(server)
-        if tokenizer is None:
-            return None
-        messages = body.get("messages")
-        endpoint: Endpoint = (
-            "chat" if path == CHAT_PATH or isinstance(messages, list) else "completion"
-        )
+        tokenizer, endpoint = found
         try:
             prompts = tokenizer.request_ids(endpoint, body)
         except ChatInputError:
@@ -356,19 +351,26 @@ class PreciseHasher:
         if self._injected is not None:
             ids = self._injected(path, body)
             return None if ids is None else IdStream.whole(ids)
+        found = self._tokenizer(path, body, server)
+        if found is None:
+            return None
+        tokenizer, endpoint = found
+        try:
+            return tokenizer.id_stream(endpoint, body)
+        except ChatInputError:
+            return None
+
+    def _tokenizer(
+        self, path: str, body: Mapping[str, Any], server: ModelServer | None
+    ) -> tuple[ModelTokenizer, Endpoint] | None:
+        """`server`'s loaded tokenizer and the request's endpoint kind, or None."""
         if server is None or self._tokenizers is None:
             return None
         tokenizer = self._tokenizers.get(server)
         if tokenizer is None:
             return None
-        messages = body.get("messages")
-        endpoint: Endpoint = (
-            "chat" if path == CHAT_PATH or isinstance(messages, list) else "completion"
-        )
-        try:
-            return tokenizer.id_stream(endpoint, body)
-        except ChatInputError:
-            return None
+        chat = path == CHAT_PATH or isinstance(body.get("messages"), list)
+        return tokenizer, "chat" if chat else "completion"
 
     def leading_hashes(
         self,

@@ -93,12 +93,8 @@ def _tokenization_section(costs: dict[str, list[float]] | None) -> list[str]:
         "thread; cold = a new text each time, warm = the same request again (memoized "
         "pieces). The last line is the event-loop side of one hand-off to the tokenize pool.",
         "",
-        "| case | p50 µs | p90 µs |",
-        "|---|---:|---:|",
     ]
-    out += [f"| {case} | {p50:,.0f} | {p90:,.0f} |" for case, (p50, p90) in costs.items()]
-    out.append("")
-    return out
+    return out + _micros_table(costs, digits=0)
 
 
 def _decision_section(costs: dict[str, list[float]] | None) -> list[str]:
@@ -115,12 +111,15 @@ def _decision_section(costs: dict[str, list[float]] | None) -> list[str]:
         "engine does), with a warm index and fresh engine metrics; the quietest of three "
         "rounds.",
         "",
-        "| case | p50 µs | p90 µs |",
-        "|---|---:|---:|",
     ]
-    out += [f"| {case} | {p50:,.1f} | {p90:,.1f} |" for case, (p50, p90) in costs.items()]
-    out.append("")
-    return out
+    return out + _micros_table(costs, digits=1)
+
+
+def _micros_table(costs: dict[str, list[float]], digits: int) -> list[str]:
+    """A `case | p50 µs | p90 µs` table (the tokenization and decision sections)."""
+    rows = [f"| {case} | {p50:,.{digits}f} | {p90:,.{digits}f} |"
+            for case, (p50, p90) in costs.items()]
+    return ["| case | p50 µs | p90 µs |", "|---|---:|---:|", *rows, ""]
 
 
 def _headline_section(

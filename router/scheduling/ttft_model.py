@@ -19,7 +19,8 @@ bisquare (a stalled request, several times its prefill, gets no weight at all),
 then bounded: every coefficient >= 0 (a negative one is dropped and the rest refitted), a <=
 `max_overhead_s`, and the curve within `max_ratio` of the seed at the window's largest x
 (a fit far from the seed is more likely a broken measurement than a new GPU). Fewer than
-`min_samples` samples, or fewer than 3 distinct x: the seed stays. Cost: O(window) per
+`min_samples` samples, or a single distinct x: the seed stays; two distinct x (say, full
+hits and misses of one prompt length) fit a line. Cost: O(window) per
 refit, nothing per request but one append.
 """
 
@@ -114,9 +115,12 @@ def robust_fit(
     length), weighted by Huber for the first rounds, then by Tukey's bisquare (which
     drops gross outliers entirely); a negative coefficient drops its term.
     """
-    if len(xs) < 3 or len(set(xs)) < 3:
+    distinct = len(set(xs))
+    if len(xs) < 3 or distinct < 2:
         return None
     for terms in ((0, 1, 2), (0, 1), (0, 2), (1, 2), (1,), (0,)):
+        if len(terms) > distinct:  # two prompt lengths determine a line, not a parabola
+            continue
         ws = [1.0 / max(y, 1e-9) ** 2 for y in ys]
         coef: list[float] | None = None
         for round_index in range(_IRLS_ROUNDS):

@@ -135,11 +135,20 @@ def test_prefix_cache_score_is_the_matched_fraction() -> None:
     rt.approx.record("default/a", hashes[:5])
     scorer = PrefixCacheScorer(1.0, rt.deps, {})
     cands = candidates(rt, list(server.aggregated))
-    assert scorer.score(ctx, cands) == pytest.approx([5 / total, 0.0])
+    # A block covers block_bytes of the rendered prompt: its share of the prompt's tokens.
+    rendered = ctx.prompt.rendered()
+    assert rendered is not None
+    block = rt.config.approximate_index.block_bytes / len(rendered)
+    assert scorer.score(ctx, cands) == pytest.approx([5 * block, 0.0])
     tokens = ctx.prompt.token_count()
     assert scorer.scale_s(ctx, cands) == pytest.approx(tokens * CostModel().prefill_s_per_token)
     scorer.picked(ctx, cands, 1)  # dispatch records the whole prompt for the chosen pod
-    assert scorer.score(ctx, cands) == pytest.approx([5 / total, 1.0])
+    assert scorer.score(ctx, cands) == pytest.approx([5 * block, total * block])
+    # Even a full match leaves the tail after the last full block (the question) to
+    # compute: a hit is never free, so the mean prefill and the fit see what pods compute.
+    assert ctx.compute_tokens is not None
+    assert ctx.compute_tokens[1] == pytest.approx(tokens * (1 - total * block))
+    assert ctx.compute_tokens[1] > 0
 
 
 def test_precise_prefix_cache_counts_store_hits_at_a_factor() -> None:

@@ -67,7 +67,20 @@ def test_robust_fit_keeps_coefficients_non_negative() -> None:
     ys = [0.01 + 2e-4 * x - 1e-8 * x * x for x in xs]
     fit = robust_fit(xs, ys)
     assert fit is not None and fit.a >= 0 and fit.b >= 0 and fit.c == 0
-    assert robust_fit([1.0, 1.0, 1.0], [1.0, 2.0, 3.0]) is None  # fewer than 3 distinct x
+    assert robust_fit([1.0, 1.0, 1.0], [1.0, 2.0, 3.0]) is None  # one x: no curve at all
+
+
+def test_two_prompt_lengths_calibrate_a_line() -> None:
+    """Hits and misses of one prompt length (say, a shared system prompt behind short
+    questions) are only two distinct x: enough for the overhead and the per-token cost."""
+    rng = random.Random(3)
+    truth = Coefficients(0.02, 2e-4)
+    xs = [rng.choice((50.0, 1_100.0)) for _ in range(48)]
+    ys = [truth(x) * (1 + rng.gauss(0, 0.05)) for x in xs]
+    fit = robust_fit(xs, ys)
+    assert fit is not None and fit.c == 0
+    assert fit.a == pytest.approx(truth.a, rel=0.15)
+    assert fit.b == pytest.approx(truth.b, rel=0.1)
 
 
 def test_prefill_fit_keeps_the_seed_until_enough_samples_then_calibrates() -> None:

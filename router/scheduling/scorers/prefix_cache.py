@@ -9,7 +9,8 @@
 - r_p = max(m_p, leading blocks in the server's shared KV pool), when the ModelServer
         declares one (`pool_view.py`: its prefill writes every block to Mooncake Store,
         so any prefill pod can load what any other computed); else m_p;
-- T, L_p, R_p = the same in tokens (T estimated from the prompt's length);
+- T, L_p, R_p = the same in tokens (T estimated from the prompt's length; a block holds
+        T x `blockBytes` / rendered bytes tokens, so a full match leaves the tail);
 - P   = the server's prefill curve (`ttft_model.py`, calibrated from measured prefills),
         pull = seconds to load one token of KV from the pool (`ServerCosts`): Mooncake's
         Conductor cost, the pool pays only when pulling beats recomputing;
@@ -51,7 +52,10 @@ def approximate_scores(
     if not ctx.ttft_unit:
         return [(d + factor * max(0, pooled - d)) / total for d in depths]
     tokens = float(ctx.prompt.token_count())
-    per_block = tokens / total
+    # The tokens one block covers: a full match still leaves the prompt's tail (the bytes
+    # after its last full block) to compute, so a hit is never counted as free.
+    data = ctx.prompt.rendered()
+    per_block = tokens * ctx.prompt.approx_block_bytes / len(data) if data else tokens / total
     local = [d * per_block for d in depths]
     reach = [max(d, pooled) * per_block for d in depths] if pooled else local
     return ctx.prefix_scores(tokens, local, reach)

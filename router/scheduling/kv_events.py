@@ -40,6 +40,8 @@ medium (e.g. "CPU" offload) is also the pod's own; a store medium (config
 `preciseIndex.storeMedia`, default "MOONCAKE") is a shared KV store: such blocks count
 for every prefill pod of the same ModelServer (`precise_index.py`).
 
+Decoding (both encodings, a typed fast path for the array one) is `kv_wire`'s job.
+
 Subscriber behaviour (`PodEventStream`)
 ---------------------------------------
 - In-order batches are applied to the `PrecisePrefixIndex`.
@@ -73,16 +75,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Final
 
-import msgspec
 import zmq
 import zmq.asyncio
 
 from router.kvhash.keyspace import KeySettings, KeySpace
+from router.scheduling.kv_wire import (
+    Cleared,
+    DecodeError,
+    Removed,
+    Stored,
+    apply_events,
+    decode_batch,
+)
 from router.scheduling.metrics import SchedulerMetrics
 from router.scheduling.precise_index import PrecisePrefixIndex
 from router.view import Endpoint, ServerPods, Snapshot
@@ -100,161 +108,6 @@ SUB_RCVHWM: Final = 100_000
 #: Bound on the batches accepted from one replay answer.
 MAX_REPLAY_BATCHES: Final = 100_000
 END_SEQ: Final = -1
-_HASH_MASK: Final = (1 << 64) - 1
-
-
-# -- decoding -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Stored:
-    """A decoded `BlockStored` (group 0). `token_ids` None: the event carried none usable;
-    `extra_keys` None: absent (vLLM before vllm#33304), else one entry per block."""
-
-    block_hashes: tuple[int, ...]
-    medium: str | None
-    parent_block_hash: int | None = None
-    token_ids: tuple[int, ...] | None = None
-    block_size: int | None = None
-    lora_name: str | None = None
-    extra_keys: tuple[Any, ...] | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Removed:
-    block_hashes: tuple[int, ...]
-    medium: str | None
-
-
-@dataclass(frozen=True, slots=True)
-class Cleared:
-    pass
-
-
-KVEvent = Stored | Removed | Cleared
-
-
-class DecodeError(ValueError):
-    """A payload that is not a vLLM KVEventBatch."""
-
-
-_decoder = msgspec.msgpack.Decoder()
-
-# Positions of fields in array-encoded events (index 0 is the tag).
-_STORED_FIELDS: Final = {
-    "block_hashes": 1, "parent_block_hash": 2, "token_ids": 3, "block_size": 4, "medium": 6,
-    "lora_name": 7, "extra_keys": 8, "group_idx": 9,
-}
-_REMOVED_FIELDS: Final = {"block_hashes": 1, "medium": 2, "group_idx": 3}
-
-
-def _hash(value: Any) -> int:
-    if isinstance(value, int):
-        return value & _HASH_MASK
-    if isinstance(value, bytes | bytearray):
-        return int.from_bytes(value, "big") & _HASH_MASK
-    raise DecodeError(f"block hash of type {type(value).__name__}")
-
-
-def _field(event: Any, name: str, positions: Mapping[str, int]) -> Any:
-    if isinstance(event, dict):
-        return event.get(name)
-    index = positions[name]
-    return event[index] if index < len(event) else None
-
-
-def _decode_event(raw: Any) -> KVEvent | None:
-    if isinstance(raw, list | tuple) and raw:
-        tag = raw[0]
-    elif isinstance(raw, dict):
-        tag = raw.get("type")
-    else:
-        raise DecodeError("event is neither an array nor a map")
-    if tag == "AllBlocksCleared":
-        return Cleared()
-    if tag == "BlockStored":
-        positions = _STORED_FIELDS
-    elif tag == "BlockRemoved":
-        positions = _REMOVED_FIELDS
-    else:
-        return None  # a newer event kind: not ours to interpret
-    group = _field(raw, "group_idx", positions)
-    if group not in (None, 0):
-        return None
-    hashes = _field(raw, "block_hashes", positions)
-    if not isinstance(hashes, list):
-        raise DecodeError(f"{tag}.block_hashes is not a list")
-    medium = _field(raw, "medium", positions)
-    if medium is not None and not isinstance(medium, str):
-        raise DecodeError(f"{tag}.medium is not a string")
-    block_hashes = tuple(_hash(h) for h in hashes)
-    if tag == "BlockStored":
-        return _stored(raw, block_hashes, medium)
-    return Removed(block_hashes, medium)
-
-
-def _stored(raw: Any, block_hashes: tuple[int, ...], medium: str | None) -> Stored:
-    fields = _STORED_FIELDS
-    parent = _field(raw, "parent_block_hash", fields)
-    tokens = _field(raw, "token_ids", fields)
-    size = _field(raw, "block_size", fields)
-    lora = _field(raw, "lora_name", fields)
-    extra = _field(raw, "extra_keys", fields)
-    token_ids: tuple[int, ...] | None = None
-    if isinstance(tokens, list):
-        try:
-            array("I", tokens)  # unsigned 32-bit ints, checked at C speed
-            token_ids = tuple(tokens)
-        except (TypeError, OverflowError):
-            token_ids = None
-    return Stored(
-        block_hashes,
-        medium,
-        parent_block_hash=None if parent is None else _hash(parent),
-        token_ids=token_ids,
-        block_size=size if type(size) is int else None,
-        lora_name=lora if isinstance(lora, str) else None,
-        extra_keys=tuple(extra) if isinstance(extra, list) else None,
-    )
-
-
-def decode_batch(payload: bytes) -> list[KVEvent]:
-    """The events of one msgpack KVEventBatch (array or map encoded; see the docstring)."""
-    try:
-        batch = _decoder.decode(payload)
-    except msgspec.DecodeError as exc:
-        raise DecodeError(str(exc)) from None
-    if isinstance(batch, list) and len(batch) >= 2:
-        events = batch[1]
-    elif isinstance(batch, dict):
-        events = batch.get("events")
-    else:
-        raise DecodeError("batch is neither [ts, events, dp_rank] nor a map")
-    if not isinstance(events, list):
-        raise DecodeError("batch events is not a list")
-    out: list[KVEvent] = []
-    for raw in events:
-        event = _decode_event(raw)
-        if event is not None:
-            out.append(event)
-    return out
-
-
-def apply_events(
-    index: PrecisePrefixIndex, key: str, scope: str, events: Sequence[KVEvent]
-) -> None:
-    for event in events:
-        if isinstance(event, Stored):
-            index.stored(
-                key, scope, event.block_hashes, event.medium,
-                parent=event.parent_block_hash, token_ids=event.token_ids,
-                block_size=event.block_size, extra_keys=event.extra_keys,
-                lora_name=event.lora_name,
-            )
-        elif isinstance(event, Removed):
-            index.removed(key, scope, event.block_hashes, event.medium)
-        else:
-            index.cleared(key)
 
 
 # -- one pod's stream ----------------------------------------------------------------------

@@ -13,6 +13,9 @@ import zmq
 import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
+from engine_sim.kv_events_pub import BlockRemoved as SimRemoved
+from engine_sim.kv_events_pub import KVEventBatch as SimBatch
+from engine_sim.kv_events_pub import block_stored_event
 from router.resources import ModelServer, ObjectMeta, PDGroup
 from router.scheduling.kv_events import (
     Cleared,
@@ -26,6 +29,7 @@ from router.scheduling.kv_events import (
     decode_batch,
     stream_targets,
 )
+from router.scheduling.kv_wire import _decode_generic, _decode_typed
 from router.scheduling.metrics import SchedulerMetrics
 from router.scheduling.precise_index import PrecisePrefixIndex
 from router.view import Endpoint, PDGroupPods, ServerPods, Snapshot
@@ -277,6 +281,44 @@ def test_decode_rejects_garbage_and_skips_unknown_events() -> None:
     with pytest.raises(DecodeError):
         decode_batch(msgspec.msgpack.encode([1.0, [["BlockStored", "x"]]]))
     assert decode_batch(msgspec.msgpack.encode([1.0, [["SomethingNew", 1]]])) == []
+
+
+def test_the_typed_fast_path_decodes_exactly_like_the_generic_decoder() -> None:
+    """vLLM's array layout (the simulator's publisher: every trailing field, the newer
+    ones too) takes the typed path; a batch it does not accept falls back, and both give
+    the same events."""
+    sim = _encoder.encode(SimBatch(1.0, [
+        block_stored_event([2**64 - 1, 3], 12, list(range(32)), 16, "GPU", 0, "salt"),
+        block_stored_event([2**64 - 1, 3], 12, list(range(32)), 16, "MOONCAKE", 0, "salt"),
+        SimRemoved([3], "GPU", 0),
+    ], 0))
+    typed = _decode_typed(sim)
+    assert typed is not None and typed == _decode_generic(sim)
+    first = typed[0]
+    assert isinstance(first, Stored) and first.block_hashes == (2**64 - 1, 3)
+    assert (first.medium, first.parent_block_hash, first.token_ids, first.block_size) == (
+        "GPU", 12, tuple(range(32)), 16)
+    assert first.extra_keys is not None and len(first.extra_keys) == 2
+    cases = {
+        "negative int hash": payload(stored(-1, 2)),
+        "bytes hash": payload(BlockStored([b"\x01\x02"], None, [], 16, None, None)),
+        "token id past 32 bits": payload(BlockStored([7], None, [2**32], 16, None, "GPU")),
+        "token ids not ints": payload(BlockStored([7], None, ["x"], 16, None, "GPU")),
+        "other group": payload(BlockStored([7], None, [1] * 16, 16, None, "GPU", None,
+                                           None, 1)),
+        "unknown kind": msgspec.msgpack.encode([1.0, [["SomethingNew", 1], ["AllBlocksCleared"]]]),
+        "map events": _encoder.encode(MapBatch(1.0, [MapBlockRemoved([2], "GPU")])),
+        "no rank": _encoder.encode(ArrayBatch(1.0, [removed(4)])),
+    }
+    took_fast = set()
+    for name, data in cases.items():
+        fast = _decode_typed(data)
+        if fast is not None:
+            took_fast.add(name)
+            assert fast == _decode_generic(data), name
+        assert decode_batch(data) == _decode_generic(data), name
+    assert decode_batch(cases["negative int hash"])[0].block_hashes == (2**64 - 1, 2)
+    assert took_fast == {"negative int hash", "other group", "no rank"}
 
 
 # -- one pod's stream over real sockets --------------------------------------------------------

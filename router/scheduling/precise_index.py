@@ -208,14 +208,12 @@ class PrecisePrefixIndex:
         pool = self._stores.get(scope)
         if pool is None:
             pool = self._stores[scope] = OrderedDict()
-        for block_key in keys:
-            pool[block_key] = None
+        pool.update(dict.fromkeys(keys))  # C loops: a store write is a whole prefill's run
         if translated:
             aliases = self._aliases.get(scope)
             if aliases is None:
                 aliases = self._aliases[scope] = OrderedDict()
-            for engine_hash, block_key in zip(hashes, keys, strict=True):
-                aliases[engine_hash] = block_key
+            aliases.update(zip(hashes, keys, strict=True))
             while len(aliases) > self.max_store_blocks:
                 aliases.popitem(last=False)
         while len(pool) > self.max_store_blocks:

@@ -381,9 +381,9 @@ async def test_sim_pod_publishes_serves_cache_and_cache_config_info(
 
 def _engine(publisher: KVEventPublisher | None, store: MemoryKVStore, **changes: Any) -> Engine:
     # The stand-in tokenizer: one token per word and per space, so block counts are exact.
-    config = SimConfig(role="prefill", model="m", port=0, host=HOST,
-                       latency=LatencyModel.fast(), tokenizer=STAND_IN, python_hash_seed="0",
-                       **changes)
+    changes.setdefault("latency", LatencyModel.fast())
+    config = SimConfig(role="prefill", model="m", port=0, host=HOST, tokenizer=STAND_IN,
+                       python_hash_seed="0", **changes)
     engine = Engine(config, store, publisher.on_cache_event if publisher else None)
     engine.kv_events = publisher
     return engine
@@ -416,9 +416,10 @@ async def test_engine_publishes_store_writes_with_the_mooncake_medium(rig: Rig) 
     assert gpu == [Stored(hashes, "GPU", None, ids, 16, None, nones)]
     assert pooled == [Stored(hashes, "MOONCAKE", None, ids, 16, None, nones)]
     # The same prompt again: its blocks are in the store already, nothing new is published.
+    published = rig.publisher.last_seq
     await _prefill(engine, prompt)
     await tick()
-    assert rig.publisher.last_seq == 0
+    assert rig.publisher.last_seq == published
 
 
 async def test_store_prefix_cache_reads_what_another_pod_wrote() -> None:
@@ -436,3 +437,54 @@ async def test_store_prefix_cache_reads_what_another_pod_wrote() -> None:
     assert await _prefill(reader, prompt) == 176  # now local (the last block recomputes)
     metrics = reader.metrics.render().decode()
     assert 'vllm:external_prefix_cache_hits_total{engine="0",model_name="m"} 192.0' in metrics
+
+
+class SlowStore(MemoryKVStore):
+    """A store client that takes real wall time per call, like the real one under load."""
+
+    def __init__(self, delay_s: float, log: list[str]) -> None:
+        super().__init__()
+        self.delay_s = delay_s
+        self.log = log
+
+    async def get(self, keys: Any) -> list[bytes | None]:
+        await asyncio.sleep(self.delay_s)
+        return await super().get(keys)
+
+    async def put(self, keys: Any, values: Any) -> None:
+        self.log.append("store write")
+        await asyncio.sleep(self.delay_s)
+        await super().put(keys, values)
+
+
+async def test_real_store_io_is_inside_the_modelled_time_not_added_to_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The simulator charges modelled hardware time for KV moves (README): the wall time of
+    its own store client is not added on top. A store read's time is taken off the pause;
+    a prefill's store write runs during the pause (Mooncake streams it with compute)."""
+    log: list[str] = []
+    pauses: list[float] = []
+
+    async def recorded(seconds: float) -> None:
+        pauses.append(seconds)
+        log.append("pause")
+        await asyncio.sleep(0.01)
+        log.append("pause end")
+
+    monkeypatch.setattr("engine_sim.engine.pause", recorded)
+    store = SlowStore(0.05, log)
+    latency = LatencyModel(prefill_overhead_s=0.3, prefill_per_token_s=0.0)
+    writer = _engine(None, store, latency=latency)
+    prompt = "alpha beta gamma delta " * 24  # 192 tokens: 12 full blocks
+    await _prefill(writer, prompt)
+    assert log[:3] == ["pause", "store write", "pause end"]  # the write ran inside the pause
+    assert pauses == [pytest.approx(0.3)]  # no read: the whole modelled time
+    reader = _engine(None, store, latency=latency, store_prefix_cache=True)
+    log.clear()
+    pauses.clear()
+    assert await _prefill(reader, prompt + "and more") == 0
+    assert reader.stats_json()["store_prefix_cache"]["hits"] == 192
+    modelled = 0.3 + latency.kv_transfer_seconds(192)
+    # The read took at least the store's 50 ms: that much less is paused.
+    assert 0 < pauses[0] <= modelled - 0.05

@@ -59,14 +59,50 @@ class DecodeError(ValueError):
     """A payload that is not a vLLM KVEventBatch."""
 
 
+# -- vLLM's array layout: the fast path's structs, and the generic path's field positions --
+
+_TokenId = Annotated[int, msgspec.Meta(ge=0, le=0xFFFFFFFF)]
+
+
+class _WireEvent(msgspec.Struct, array_like=True, tag=True, gc=False):
+    """`[tag, fields...]`; fields after the ones below (newer vLLM's) are ignored."""
+
+
+class _WireStored(_WireEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None = None
+    token_ids: list[_TokenId] | None = None
+    block_size: int | None = None
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+
+
+class _WireRemoved(_WireEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class _WireCleared(_WireEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class _WireBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[_WireStored | _WireRemoved | _WireCleared]
+
+
+_typed_decoder = msgspec.msgpack.Decoder(_WireBatch)
+
+
 _decoder = msgspec.msgpack.Decoder()
 
-# Positions of fields in array-encoded events (index 0 is the tag).
-_STORED_FIELDS: Final = {
-    "block_hashes": 1, "parent_block_hash": 2, "token_ids": 3, "block_size": 4, "medium": 6,
-    "lora_name": 7, "extra_keys": 8, "group_idx": 9,
-}
-_REMOVED_FIELDS: Final = {"block_hashes": 1, "medium": 2, "group_idx": 3}
+# Positions of fields in array-encoded events (index 0 is the tag): the structs' order.
+_STORED_FIELDS: Final = {name: i for i, name in enumerate(_WireStored.__struct_fields__, 1)}
+_REMOVED_FIELDS: Final = {name: i for i, name in enumerate(_WireRemoved.__struct_fields__, 1)}
 
 
 def _hash(value: Any) -> int:
@@ -137,45 +173,6 @@ def _stored(raw: Any, block_hashes: tuple[int, ...], medium: str | None) -> Stor
         lora_name=lora if isinstance(lora, str) else None,
         extra_keys=tuple(extra) if isinstance(extra, list) else None,
     )
-
-
-# -- the fast path: vLLM's array-encoded structs --------------------------------------------
-
-_TokenId = Annotated[int, msgspec.Meta(ge=0, le=0xFFFFFFFF)]
-
-
-class _WireEvent(msgspec.Struct, array_like=True, tag=True, gc=False):
-    """`[tag, fields...]`; fields after the ones below (newer vLLM's) are ignored."""
-
-
-class _WireStored(_WireEvent, tag="BlockStored"):
-    block_hashes: list[int]
-    parent_block_hash: int | None = None
-    token_ids: list[_TokenId] | None = None
-    block_size: int | None = None
-    lora_id: int | None = None
-    medium: str | None = None
-    lora_name: str | None = None
-    extra_keys: list[Any] | None = None
-    group_idx: int | None = None
-
-
-class _WireRemoved(_WireEvent, tag="BlockRemoved"):
-    block_hashes: list[int]
-    medium: str | None = None
-    group_idx: int | None = None
-
-
-class _WireCleared(_WireEvent, tag="AllBlocksCleared"):
-    pass
-
-
-class _WireBatch(msgspec.Struct, array_like=True, gc=False):
-    ts: float
-    events: list[_WireStored | _WireRemoved | _WireCleared]
-
-
-_typed_decoder = msgspec.msgpack.Decoder(_WireBatch)
 
 
 def _int_hashes(values: list[int]) -> tuple[int, ...]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import select
 import shutil
 import socket
@@ -21,11 +20,11 @@ import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import httptools
 import openai
+import psutil
 import pytest
 
 from router.http.config import head_bytes_bound
@@ -310,17 +309,10 @@ def strict(edge_cluster: FaultCluster) -> Router:
 
 def client_sockets(router: Router) -> int:
     """The router's sockets on its API port (accepted client connections)."""
-    inodes = set()
-    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
-        fields = line.split()
-        if int(fields[1].rsplit(":", 1)[1], 16) == router.port and fields[3] != "0A":
-            inodes.add(fields[9])  # a connection on the port, not the listener
-    count = 0
-    for fd in os.listdir(f"/proc/{router.pid()}/fd"):
-        with contextlib.suppress(OSError):
-            target = os.readlink(f"/proc/{router.pid()}/fd/{fd}")
-            count += target.startswith("socket:[") and target[8:-1] in inodes
-    return count
+    connections = psutil.Process(router.pid()).net_connections(kind="tcp4")
+    return sum(  # a connection on the port, not the listener
+        1 for c in connections if c.laddr.port == router.port and c.status != psutil.CONN_LISTEN
+    )
 
 
 @dataclass
@@ -366,6 +358,8 @@ def hold(port: int, count: int, first: bytes, drip: bytes, limit_s: float = 15.0
 
 def test_slowloris_silent_and_slow_body_connections_are_closed(strict: Router) -> None:
     assert client_sockets(strict) == 0
+    with socket.create_connection(("127.0.0.1", strict.port)):
+        wait_for(lambda: client_sockets(strict) == 1)  # the count sees an accepted socket
     refused = {reason: metric_sum(strict.metrics(), "pdgate_connections_refused_total",
                                   reason=reason)
                for reason in ("header_timeout", "body_timeout")}

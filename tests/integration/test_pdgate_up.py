@@ -24,6 +24,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import aiohttp
+import psutil
 import pytest
 
 from engine_sim.mooncake_master import MooncakeMasterError, find_master_binary
@@ -57,36 +58,29 @@ STOP_S = 20.0
 @dataclass(frozen=True)
 class Proc:
     pid: int
-    started: int  # clock ticks after boot: tells a PID from a later reuse of it
+    started: float  # creation time: tells a PID from a later reuse of it
     argv: str
 
     def alive(self) -> bool:
         """Running (a zombie waiting for its reaper holds nothing any more)."""
-        stat = _stat(self.pid)
-        return stat is not None and stat[1] == self.started and stat[0] != "Z"
-
-
-def _stat(pid: int) -> tuple[str, int, int] | None:
-    """(state, start time, parent PID) of a process, None if there is none."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = text[text.rindex(")") + 2:].split()
-    return fields[0], int(fields[19]), int(fields[1])
+        try:
+            process = psutil.Process(self.pid)
+            return (process.create_time() == self.started
+                    and process.status() != psutil.STATUS_ZOMBIE)
+        except psutil.Error:
+            return False
 
 
 def children_of(parent: int) -> list[Proc]:
+    try:
+        children = psutil.Process(parent).children()
+    except psutil.Error:
+        return []
     found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        stat = _stat(int(entry.name))
-        if stat is None or stat[2] != parent or stat[0] == "Z":
-            continue
-        with contextlib.suppress(OSError):
-            argv = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            found.append(Proc(int(entry.name), stat[1], argv))
+    for child in children:
+        with contextlib.suppress(psutil.Error):
+            if child.status() != psutil.STATUS_ZOMBIE:
+                found.append(Proc(child.pid, child.create_time(), " ".join(child.cmdline())))
     return found
 
 

@@ -235,6 +235,19 @@ def _reliability_configs(
     return resilience, security
 
 
+def _log_build() -> None:
+    """Say whether the scheduling hot path runs compiled (setup.py); warn of a stale build."""
+    from router.build import COMPILED_MODULES, compiled_modules, stale_modules
+
+    log = logging.getLogger("pdgate.build")
+    log.info("scheduling hot path: %d of %d modules compiled", len(compiled_modules()),
+             len(COMPILED_MODULES))
+    stale = stale_modules()
+    if stale:
+        log.warning("compiled modules older than their source (run `make setup`): %s",
+                    ", ".join(stale))
+
+
 def _serve(args: argparse.Namespace) -> int:
     from router.app import PDGateApp
     from router.http import FD_RESERVE, Edge, ensure_fd_limit
@@ -260,6 +273,7 @@ def _serve(args: argparse.Namespace) -> int:
         return Supervisor(args.argv, workers).run()
     if worker_place() is not None:
         exit_with_supervisor()
+    _log_build()
     namespace = None if args.all_namespaces else args.namespace
     if (args.kubernetes or args.peer_service) and namespace is None and not args.all_namespaces:
         from router.sources.kube_api import default_namespace

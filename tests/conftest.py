@@ -34,6 +34,18 @@ from engine_sim.kvstore import mooncake_import_error
 from engine_sim.mooncake_master import MooncakeMaster
 
 DEFAULT_MODEL = "sim-model"
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Refuse to test a stale build: a module compiled in place (setup.py) that is older
+    than its source would run the old code while the suite reads the new."""
+    from router.build import stale_modules
+
+    stale = stale_modules()
+    if stale:
+        pytest.exit(f"compiled modules older than their source: {', '.join(stale)}; "
+                    "run `make setup` (or `make test`) to rebuild them", returncode=4)
+
 POD_START_TIMEOUT_S = 30.0
 POD_STOP_TIMEOUT_S = 15.0
 _LOG_TAIL_BYTES = 3000

@@ -603,7 +603,7 @@ class PipelineScheduler:
                 common = layout.paired  # nothing was filtered out: every group pairs
                 break
             pre_groups = {p.group for p in pre.pods}
-            common = pre_groups.intersection(p.group for p in dec.pods)
+            common = pre_groups & {p.group for p in dec.pods}
             if common:
                 if len(common) < len(pre_groups):
                     pre = pre.subset([i for i, p in enumerate(pre.pods) if p.group in common])

@@ -59,7 +59,7 @@ def test_copies_exactly_the_packaged_sources() -> None:
         if op == "COPY" and not args.startswith("--from"):
             *sources, _ = args.split()
             copied.update(s.rstrip("/") for s in sources)
-    assert packages | {"pyproject.toml", pyproject["project"]["readme"]} == copied
+    assert packages | {"pyproject.toml", "setup.py", pyproject["project"]["readme"]} == copied
     for source in copied:
         assert (REPO / source).exists(), source
 
@@ -79,11 +79,12 @@ def test_dockerignore_keeps_the_build_inputs() -> None:
                 result = not negate
         return result
 
-    for needed in ("pyproject.toml", "README.md", "router/cli.py", "kv_connectors/base.py",
-                   "engine_sim/__init__.py"):
+    for needed in ("pyproject.toml", "setup.py", "README.md", "router/cli.py",
+                   "kv_connectors/base.py", "engine_sim/__init__.py"):
         assert not ignored(needed), needed
     for dropped in (".venv/bin/python", ".git/HEAD", "tests/unit/test_deploy.py",
-                    "benchmarks/x.py", "router/__pycache__/cli.cpython-311.pyc"):
+                    "benchmarks/x.py", "router/__pycache__/cli.cpython-311.pyc",
+                    "router/scheduling/pipeline.cpython-311-x86_64-linux-gnu.so"):
         assert ignored(dropped), dropped
 
 

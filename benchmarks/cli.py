@@ -95,6 +95,15 @@ def _split(text: str, allowed: Sequence[str], what: str) -> list[str]:
     return items
 
 
+def _compiled() -> str:
+    """How pdgate's scheduling hot path ran in this run (`router/build.py`)."""
+    from router.build import COMPILED_MODULES, compiled_modules
+
+    done = len(compiled_modules())
+    return (f"compiled with mypyc ({done} of {len(COMPILED_MODULES)} modules)" if done
+            else "pure Python (not compiled)")
+
+
 def _peers() -> str:
     found = []
     for name in ("vllm-router", "sglang-router"):
@@ -268,6 +277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "machine": f"{os.cpu_count()} CPUs, {platform.platform()}, "
                    f"Python {platform.python_version()}",
         "peers": _peers(),
+        "compiled": _compiled(),
         "skipped": bench.skipped,
         "method": _method(config),
     }  # fmt: skip

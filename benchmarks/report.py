@@ -59,7 +59,8 @@ def render(
         f"One run on one machine ({meta['machine']}), every router on the same simulated "
         f"pods with the same seeded request sequence (seed {meta['seed']}). Absolute times "
         "are of a shared, noisy 2-core machine: read the ratios. Took "
-        f"{meta['elapsed_s']:.0f} s. Peers: {meta['peers']}.",
+        f"{meta['elapsed_s']:.0f} s. Peers: {meta['peers']}. pdgate's scheduling hot path: "
+        f"{meta.get('compiled', 'pure Python (not compiled)')}.",
         "",
     ]
     if meta.get("skipped"):

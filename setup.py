@@ -27,7 +27,7 @@ from setuptools.command.build_ext import build_ext
 #: The modules to compile, from the package's own list (stdlib-only, read by path: the
 #: build environment need not have pdgate's dependencies).
 _BUILD = runpy.run_path(str(Path(__file__).parent / "router" / "build.py"))
-COMPILED = [_BUILD["source_path"](name) for name in _BUILD["COMPILED_MODULES"]]
+COMPILED = list(_BUILD["COMPILED_SOURCES"])
 
 
 def _warn(message: str) -> None:

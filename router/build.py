@@ -1,6 +1,6 @@
 """Which of pdgate's modules are built as C extensions, and which of them run compiled.
 
-`setup.py` compiles `COMPILED_MODULES` with mypyc when it can (see its docstring): the
+`setup.py` compiles `COMPILED_SOURCES` with mypyc when it can (see its docstring): the
 scheduler's pick path and the indexes it reads, the code that runs once or more per
 request in pure Python arithmetic. The Python source is the one definition of what they
 do; a build without a compiler runs it as is. Stdlib only: setup.py reads this file.
@@ -13,43 +13,46 @@ from importlib import import_module
 from importlib.machinery import EXTENSION_SUFFIXES
 from pathlib import Path
 
-#: The modules setup.py compiles. A module joins only if the whole suite passes with it
-#: compiled. `kv_wire` stays out: msgspec already decodes it in C, and mypyc's runtime
-#: type checks reject the tagged unions it decodes into.
 #: mypyc's group: the one shared library (`router/hot_path__mypyc.*.so`) that holds the
-#: compiled code of all of them.
+#: compiled code of every module below; each module's own extension is a small shim.
 GROUP = "router.hot_path"
-COMPILED_MODULES: tuple[str, ...] = (
-    "router.load",
-    "router.scheduling.approx_index",
-    "router.scheduling.backlog",
-    "router.scheduling.block_hash",
-    "router.scheduling.block_index",
-    "router.scheduling.context",
-    "router.scheduling.filters",
-    "router.scheduling.kv_events",
-    "router.scheduling.pipeline",
-    "router.scheduling.pool_view",
-    "router.scheduling.precise_index",
-    "router.scheduling.scorers",
-    "router.scheduling.scorers.base",
-    "router.scheduling.scorers.kv_cache_usage",
-    "router.scheduling.scorers.least_request",
-    "router.scheduling.scorers.precise_prefix_cache",
-    "router.scheduling.scorers.prefill_backlog",
-    "router.scheduling.scorers.prefix_cache",
-    "router.scheduling.scorers.queue_depth",
-    "router.scheduling.scorers.random_score",
-    "router.scheduling.scorers.round_robin",
-    "router.scheduling.scorers.session_affinity",
-    "router.scheduling.ttft_model",
+#: The sources setup.py compiles, relative to the repository root. A module joins only if
+#: the whole suite passes with it compiled. `kv_wire` stays out: msgspec already decodes
+#: it in C, and mypyc's runtime type checks reject the tagged unions it decodes into.
+COMPILED_SOURCES: tuple[str, ...] = (
+    "router/load.py",
+    "router/scheduling/approx_index.py",
+    "router/scheduling/backlog.py",
+    "router/scheduling/block_hash.py",
+    "router/scheduling/block_index.py",
+    "router/scheduling/context.py",
+    "router/scheduling/filters.py",
+    "router/scheduling/kv_events.py",
+    "router/scheduling/pipeline.py",
+    "router/scheduling/pool_view.py",
+    "router/scheduling/precise_index.py",
+    "router/scheduling/scorers/__init__.py",
+    "router/scheduling/scorers/base.py",
+    "router/scheduling/scorers/kv_cache_usage.py",
+    "router/scheduling/scorers/least_request.py",
+    "router/scheduling/scorers/precise_prefix_cache.py",
+    "router/scheduling/scorers/prefill_backlog.py",
+    "router/scheduling/scorers/prefix_cache.py",
+    "router/scheduling/scorers/queue_depth.py",
+    "router/scheduling/scorers/random_score.py",
+    "router/scheduling/scorers/round_robin.py",
+    "router/scheduling/scorers/session_affinity.py",
+    "router/scheduling/ttft_model.py",
 )
 
 
-def source_path(module: str) -> str:
-    """The module's source file, relative to the repository root."""
-    path = module.replace(".", "/")
-    return f"{path}/__init__.py" if module == "router.scheduling.scorers" else f"{path}.py"
+def module_name(source: str) -> str:
+    """`router/scheduling/scorers/__init__.py` -> `router.scheduling.scorers`."""
+    return source.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+
+
+#: The same modules by import name.
+COMPILED_MODULES: tuple[str, ...] = tuple(module_name(s) for s in COMPILED_SOURCES)
 
 
 def compiled_modules() -> list[str]:
@@ -71,7 +74,8 @@ def stale_modules() -> list[str]:
     library = shared_library(checkout)
     if library is None:
         return []
-    return stale_in(checkout, library, compiled_modules())
+    compiled = set(compiled_modules())
+    return stale_in(checkout, library, [s for s in COMPILED_SOURCES if module_name(s) in compiled])
 
 
 def shared_library(checkout: Path) -> Path | None:
@@ -87,10 +91,11 @@ def shared_library(checkout: Path) -> Path | None:
     return None
 
 
-def stale_in(checkout: Path, library: Path, modules: Iterable[str]) -> list[str]:
-    """The `modules` whose source in `checkout` is newer than the built `library`."""
+def stale_in(checkout: Path, library: Path, sources: Iterable[str]) -> list[str]:
+    """The modules of `sources` (paths in `checkout`) whose source is newer than the
+    built `library`."""
     built = library.stat().st_mtime
     return [
-        name for name in modules
-        if (source := checkout / source_path(name)).exists() and source.stat().st_mtime > built
+        module_name(source) for source in sources
+        if (checkout / source).exists() and (checkout / source).stat().st_mtime > built
     ]

@@ -10,9 +10,10 @@ from pathlib import Path
 
 from router.build import (
     COMPILED_MODULES,
+    COMPILED_SOURCES,
     compiled_modules,
+    module_name,
     shared_library,
-    source_path,
     stale_in,
 )
 
@@ -20,9 +21,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_every_listed_module_has_its_source_in_the_repository() -> None:
-    for name in COMPILED_MODULES:
-        assert (REPO / source_path(name)).is_file(), name
-        import_module(name)
+    assert module_name("router/scheduling/scorers/__init__.py") == "router.scheduling.scorers"
+    for source, name in zip(COMPILED_SOURCES, COMPILED_MODULES, strict=True):
+        assert (REPO / source).is_file(), source
+        assert import_module(name).__name__ == name
 
 
 def test_compiled_is_all_of_the_list_or_none_of_it() -> None:
@@ -35,8 +37,8 @@ def test_compiled_is_all_of_the_list_or_none_of_it() -> None:
 
 
 def test_a_source_edited_after_the_build_is_stale(tmp_path: Path) -> None:
-    name = "router.scheduling.pipeline"
-    source = tmp_path / source_path(name)
+    name, path = "router.scheduling.pipeline", "router/scheduling/pipeline.py"
+    source = tmp_path / path
     source.parent.mkdir(parents=True)
     source.write_text("# the source\n")
     assert shared_library(tmp_path) is None  # nothing built: nothing to be stale
@@ -45,6 +47,6 @@ def test_a_source_edited_after_the_build_is_stale(tmp_path: Path) -> None:
     assert shared_library(tmp_path) == library
     os.utime(source, (1_000, 1_000))
     os.utime(library, (2_000, 2_000))
-    assert stale_in(tmp_path, library, [name]) == []
+    assert stale_in(tmp_path, library, [path]) == []
     os.utime(source, (3_000, 3_000))  # edited after the build
-    assert stale_in(tmp_path, library, [name]) == [name]
+    assert stale_in(tmp_path, library, [path]) == [name]

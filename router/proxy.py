@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 import re
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -202,7 +202,7 @@ class Proxy:
         out.sse_error = stream_error_form(parsed)
         request_id = client_headers.get("x-request-id")
         if request_id is None or not _REQUEST_ID.fullmatch(request_id):
-            request_id = uuid.uuid4().hex
+            request_id = os.urandom(16).hex()  # uuid4().hex's form, a fifth of its cost
         tracing = self.tracing
         if tracing is None:
             await self._serve(parsed, client_headers, out, request_id, None)

@@ -168,6 +168,7 @@ class _Profiles:
     prefill: Profile
     decode: Profile
     aggregated: Profile
+    precise: bool  # `config.precise_enabled`, read once per request on the hot path
 
 
 def build_profiles(config: SchedulerConfig, deps: SchedulerDeps) -> _Profiles:
@@ -176,6 +177,7 @@ def build_profiles(config: SchedulerConfig, deps: SchedulerDeps) -> _Profiles:
         prefill=Profile("prefill", config.profile("prefill"), deps),
         decode=Profile("decode", config.profile("decode"), deps),
         aggregated=Profile("aggregated", config.profile("aggregated"), deps),
+        precise=config.precise_enabled,
     )
 
 
@@ -383,7 +385,7 @@ class PipelineScheduler:
             request.flow == "single"
             or request.tokens is not None
             or pool is None
-            or not self._profiles.config.precise_enabled
+            or not self._profiles.precise
             or (deps.fallback is not None and deps.fallback.reason(server.server) is not None)
         ):
             return

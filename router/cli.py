@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from router import gc_tuning
+
 if TYPE_CHECKING:
     from router.http.config import EdgeConfig
     from router.local_cluster import LocalCluster
@@ -46,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--host", default="0.0.0.0")
     serve.add_argument("--port", type=int, default=DEFAULT_PORT)
     serve.add_argument("--log-level", default="info")
+    serve.add_argument("--gc-threshold", type=int, default=gc_tuning.DEFAULT_YOUNG_THRESHOLD,
+                       help="the garbage collector's young-generation threshold while "
+                            "serving, with what start-up built frozen (router/gc_tuning.py); "
+                            "0: CPython's defaults")
     _add_reliability_flags(serve)
     _add_connection_flags(serve)
     _add_scale_flags(serve)
@@ -308,7 +314,7 @@ def _serve(args: argparse.Namespace) -> int:
         reuseport_socket(args.host, args.admin_port)
         if shared and args.admin_port is not None else None,
     )
-    return DrainingRunner(
+    runner = DrainingRunner(
         app,
         app.ops,
         host=args.host,
@@ -319,7 +325,9 @@ def _serve(args: argparse.Namespace) -> int:
         config=config.resilience,
         edge=Edge(edge, state.registry),
         sockets=sockets,
-    ).run()
+    )
+    gc_tuning.tune(args.gc_threshold)  # all of the above lives as long as the process
+    return runner.run()
 
 
 def _local(args: argparse.Namespace) -> int:

@@ -391,26 +391,20 @@ class PipelineScheduler:
             return
         if prompt_chars(_endpoint(request.path, request.body), request.body) < pool.min_chars:
             return  # cheaper inline, in `pick`
-        costs = self._layout(server).costs
+        # Only the leading blocks some pod or the pool holds matter: the rest is never
+        # encoded (the precise pool is fed by the engines' events, not by the prompt).
+        scope = self._layout(server).costs.scope
         precise = deps.precise
-        if not costs.pool.enabled or precise.store_fed(costs.scope):
-            # Only the leading blocks any pod or pool holds matter (no pool view to feed).
-            space = precise.space(costs.scope) or deps.hasher.space
-            known, hasher, salt = precise.known(costs.scope), deps.hasher, salt_of(request.body)
+        space = precise.space(scope) or deps.hasher.space
+        known, hasher, salt = precise.known(scope), deps.hasher, salt_of(request.body)
 
-            def leading() -> LeadingBlocks | None:
-                stream = hasher.id_stream(request.path, request.body, server.server)
-                return None if stream is None else hasher.leading_hashes(
-                    stream, salt, space, known
-                )
+        def leading() -> LeadingBlocks | None:
+            stream = hasher.id_stream(request.path, request.body, server.server)
+            return None if stream is None else hasher.leading_hashes(stream, salt, space, known)
 
-            found = await pool.call(leading)
-            if found is not None:
-                request.leading = (space.ident, found)
-            return
-        prompts = await self.prompt_ids(server, request.path, request.body)
-        if prompts:
-            request.tokens = prompts[0]
+        found = await pool.call(leading)
+        if found is not None:
+            request.leading = (space.ident, found)
 
     async def prompt_ids(
         self, server: ServerPods, path: str, body: dict[str, Any]

@@ -16,8 +16,11 @@ pool's capacity (in blocks of the index that keys it), as the store itself evict
 recently used objects once full; `MAX_POOL_BLOCKS` caps it whatever the annotation says.
 
 KV events with a store medium (`BlockStored(medium="MOONCAKE")`) refine the same record
-when engines publish them (`precise_index.PrecisePrefixIndex`: the precise index keeps
-its store pool there and `record_pool` feeds it from dispatches too). Who publishes what
+when engines publish them. The precise index (`precise_index.PrecisePrefixIndex`) keeps
+its own store pool in engine keys and, without store events, fills it from the blocks the
+server's prefill pods say they stored (`BlockStored` on their GPU: the connector writes
+each of them to the store; `pool_writers` names those pods), not from dispatches: the
+router then never encodes a prompt past the first block nobody holds. Who publishes what
 (checked against the public sources, 2025-2026):
 - vLLM with `MooncakeStoreConnector`: `BlockStored` for blocks written to the store
   (vllm-project/vllm#44103 fixed their hashes for hybrid models);
@@ -36,6 +39,8 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
+
+from router.view import ServerPods
 
 POOL_ANNOTATION: Final = "pdgate.io/kv-pool"
 POOL_CAPACITY_ANNOTATION: Final = "pdgate.io/kv-pool-capacity-tokens"
@@ -79,6 +84,27 @@ def pool_settings(
         except ValueError:
             pass
     return PoolSettings(enabled, capacity)
+
+
+def pool_writers(
+    servers: Iterable[ServerPods], enabled: bool, capacity_tokens: int
+) -> dict[str, tuple[str, PoolSettings]]:
+    """Pod key -> (its server's scope, that server's pool) for every pod whose computed
+    blocks go to a declared pool: the prefill pods of a PD server, every pod of an
+    aggregated one (none when the pool view is off, `poolView.enabled: false`)."""
+    out: dict[str, tuple[str, PoolSettings]] = {}
+    if not enabled:
+        return out
+    for server in servers:
+        meta = server.server.meta
+        pool = pool_settings(meta.annotations, False, capacity_tokens)
+        if not pool.enabled:
+            continue
+        scope = f"{meta.namespace}/{meta.name}"
+        pods = [p for g in server.groups for p in g.prefill] or list(server.aggregated)
+        for pod in pods:
+            out.setdefault(pod.key, (scope, pool))
+    return out
 
 
 class PendingWrites:

@@ -13,6 +13,11 @@ Store media (`store_media`, default `MOONCAKE`): a block written to a shared KV 
 (Mooncake Store) is reusable by EVERY prefill pod of the same ModelServer (its "scope"),
 so such blocks go to one pool per scope instead of to the pod. A scorer credits a pool
 block at a cost factor below a local hit (`precise_prefix_cache.PrecisePrefixCacheScorer`).
+Engines that publish no store events (vllm-ascend's KV pool) still write every block
+their prefill computes to the store: the pods `set_pool_writers` names (prefill pods of a
+ModelServer that declares a pool, `pool_view.py`) put each block they store locally into
+their scope's pool as well, an LRU bounded by the pool's capacity, until the scope's
+engines publish a store medium themselves.
 
 Keys (`router.kvhash.keyspace`): per scope (ModelServer) a `KeySpace` says whether blocks
 are keyed by the engine's own hashes (`hashes`) or by router keys recomputed from the
@@ -40,7 +45,7 @@ from typing import Any, Final
 
 from router.kvhash.keyspace import TOKENS_ROOT, KeySpace
 from router.scheduling.block_index import PodSlots, leading_depths_with_shared
-from router.scheduling.pool_view import touch_lru
+from router.scheduling.pool_view import PoolSettings, touch_lru
 
 #: Default bound of one pod's entries (blocks): well above a large GPU's block count.
 DEFAULT_MAX_BLOCKS_PER_POD: Final = 262_144
@@ -53,6 +58,8 @@ MAX_MEDIA_BITS: Final = 16
 #: Distinct medium names remembered at all (an engine naming more gets the shared bit).
 MAX_MEDIA_NAMES: Final = 64
 GPU_MEDIUM: Final = "GPU"
+#: Tokens per block when neither the event nor the scope's key space says (vLLM's default).
+DEFAULT_BLOCK_SIZE: Final = 16
 #: `tokens` mode: a pod entry is (router key << MEDIA_SHIFT) | medium bits.
 MEDIA_SHIFT: Final = MAX_MEDIA_BITS
 _MEDIA_MASK: Final = (1 << MEDIA_SHIFT) - 1
@@ -78,6 +85,8 @@ class PrecisePrefixIndex:
         self._stores: dict[str, OrderedDict[int, None]] = {}
         self._aliases: dict[str, OrderedDict[int, int]] = {}  # tokens-mode pools
         self._store_fed: set[str] = set()  # scopes whose pods publish store-medium events
+        #: Pod key -> (scope, pool) for pods whose stored blocks also go to the pool.
+        self._writers: dict[str, tuple[str, PoolSettings]] = {}
         self._spaces: dict[str, KeySpace] = {}
         self._media: dict[str | None, int] = {None: 1, GPU_MEDIUM: 1}
         self.overflow_evictions = 0
@@ -110,6 +119,11 @@ class PrecisePrefixIndex:
 
     def space(self, scope: str) -> KeySpace | None:
         return self._spaces.get(scope)
+
+    def set_pool_writers(self, writers: Mapping[str, tuple[str, PoolSettings]]) -> None:
+        """The pods whose locally stored blocks their connector also writes to their
+        scope's pool (`pool_view.pool_writers`, one entry per pod of the view)."""
+        self._writers = dict(writers)
 
     def _router_key(self, key: str, scope: str, engine_hash: int) -> int | None:
         blocks = self._pods.get(key)
@@ -201,6 +215,14 @@ class PrecisePrefixIndex:
                 engine_hash, held = blocks.popitem(last=False)
                 self._unmask(held >> MEDIA_SHIFT if translated else engine_hash, clear)
                 self.overflow_evictions += 1
+        writer = self._writers.get(key)
+        if writer is not None and writer[0] == scope and scope not in self._store_fed:
+            size = block_size or self._block_size(scope)
+            self.record_pool(scope, keys, writer[1].capacity_blocks(size))
+
+    def _block_size(self, scope: str) -> int:
+        space = self._spaces.get(scope)
+        return space.block_size if space is not None else DEFAULT_BLOCK_SIZE
 
     def _store_pool(
         self, scope: str, hashes: Sequence[int], keys: Sequence[int], translated: bool
@@ -221,10 +243,9 @@ class PrecisePrefixIndex:
             self.overflow_evictions += 1
 
     def record_pool(self, scope: str, keys: Sequence[int], capacity_blocks: int) -> None:
-        """A dispatched prompt's blocks (index keys) are in `scope`'s store pool: the
-        dispatch-fed pool view (`pool_view.py`) for engines that publish no store events.
-        LRU: a block seen again moves to the young end; the bound is the smaller of the
-        pool's capacity and `max_store_blocks`."""
+        """Blocks (index keys) a pool writer stored are in `scope`'s store pool, for
+        engines that publish no store events. LRU: a block seen again moves to the young
+        end; the bound is the smaller of the pool's capacity and `max_store_blocks`."""
         if not keys:
             return
         pool = self._stores.get(scope)

@@ -60,7 +60,7 @@ from router.scheduling.metrics_scraper import (
     ScrapeSettings,
 )
 from router.scheduling.pipeline import PipelineScheduler
-from router.scheduling.pool_view import PoolView
+from router.scheduling.pool_view import PoolView, pool_writers
 from router.scheduling.precise_index import PrecisePrefixIndex
 from router.scheduling.ttft_model import TTFTModels
 from router.scheduling.watcher import SchedulerConfigWatcher
@@ -175,6 +175,7 @@ class SchedulerRuntime:
             "pool", lambda: self.pools.total_blocks, self.pools.memory_bytes,
             lambda: self.pools.evictions,
         )
+        self._view = view
         view.subscribe(self._on_snapshot)
         self._on_snapshot(view.snapshot)
 
@@ -199,6 +200,13 @@ class SchedulerRuntime:
         self.deps.ttft.retain_scopes(scopes)
         self.scraper.on_snapshot(snapshot)
         self.kv_events.on_snapshot(snapshot)
+        self._set_pool_writers(snapshot)
+
+    def _set_pool_writers(self, snapshot: Snapshot) -> None:
+        pool = self.config.pool_view
+        self.precise.set_pool_writers(
+            pool_writers(snapshot.servers.values(), pool.enabled, pool.capacity_tokens)
+        )
 
     def apply_config(self, config: SchedulerConfig) -> None:
         """Switch to a new config (what the watcher calls on a valid edit)."""
@@ -224,6 +232,8 @@ class SchedulerRuntime:
             self.kv_events.events_port, self.kv_events.replay_port = ports
             self.kv_events.set_enabled(not config.precise_enabled)  # force a refresh
         self.kv_events.set_enabled(config.precise_enabled)
+        if config.pool_view != old.pool_view:
+            self._set_pool_writers(self._view.snapshot)
         self.fallback.check()
 
     def background(self) -> list[BackgroundFactory]:

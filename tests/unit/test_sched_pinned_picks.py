@@ -29,7 +29,9 @@ from router.load import InFlight
 from router.resources import ModelServer, ObjectMeta, PDGroup
 from router.scheduling import Pick, ScheduleRequest
 from router.scheduling.config import SchedulerConfig, parse_scheduler_config
+from router.scheduling.context import PromptInfo
 from router.scheduling.metrics_scraper import EngineLoad
+from router.scheduling.pool_view import pool_writers
 from router.scheduling.runtime import SchedulerRuntime
 from router.view import ClusterView, Endpoint, PDGroupPods, ServerPods
 from tests.unit.test_sched_pipeline import sim_tokens
@@ -134,6 +136,10 @@ def run_scenario(
                           tokenize=sim_tokens, clock=clock)  # fmt: skip
     scheduler = rt.scheduler
     server = build(None)
+    # With the precise scorer, each prefill stores its prompt's blocks and says so (a KV
+    # event); on a server that declares a pool its connector writes them to the store too.
+    publishes = config.uses("precise-prefix-cache")
+    a = config.approximate_index
     make = _requests(rng)
     running: list[Endpoint] = []
     rows: list[list[Any]] = []
@@ -160,6 +166,9 @@ def run_scenario(
         if n == 100:
             server = build(None)  # and came back
             scheduler.forget_layouts()
+        if publishes:
+            pool = config.pool_view
+            rt.precise.set_pool_writers(pool_writers([server], pool.enabled, pool.capacity_tokens))
         if n % 25 == 0:
             ejected.clear()
             keys = [p.key for p in server.endpoints()]
@@ -183,6 +192,12 @@ def run_scenario(
             running.append(endpoint)
         if pick.on_prefill is not None and rng.random() < 0.7:
             pick.on_prefill(rng.uniform(0.005, 0.2))
+        if publishes and rng.random() < 0.8:  # some events are still on their way
+            prompt = PromptInfo(req, rt.deps.hasher, a.block_bytes, a.max_prompt_blocks,
+                                a.chars_per_token)
+            scope = f"{server.server.meta.namespace}/{server.server.meta.name}"
+            stored = pick.prefill or pick.decode
+            rt.precise.stored(stored.key, scope, prompt.precise_hashes(), "GPU")
     return rows
 
 
@@ -194,7 +209,9 @@ PRECISE = {
             {"type": "queue", "weight": 0.5},
         ]},
     },
-    "preciseIndex": {"enabled": False},
+    # No event streams to open; blocks keyed by engine hashes (the engines' seed known),
+    # so the scenario's own events need no token ids.
+    "preciseIndex": {"enabled": False, "keys": "hashes", "hashSeed": "0"},
 }
 SCORE_UNIT = {
     "profiles": {

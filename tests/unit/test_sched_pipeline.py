@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 from collections import Counter
@@ -12,7 +13,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from router.load import InFlight
-from router.resources import ModelServer, ObjectMeta, PDGroup
+from router.resources import ModelServer, ObjectMeta, PDGroup, Pod
 from router.scheduling import Pick, ScheduleRequest
 from router.scheduling.config import SchedulerConfig, parse_scheduler_config
 from router.scheduling.context import Candidates, CostModel, PickContext, PromptInfo
@@ -206,33 +207,82 @@ def test_precise_scores_from_leading_blocks_equal_the_full_hash() -> None:
         assert lazy.prompt.token_count() == exact.prompt.token_count()
 
 
-def test_dispatches_feed_the_precise_pool_only_while_engines_publish_no_store_events() -> None:
-    rt = runtime()
-    server = ServerPods(
-        server=ModelServer(meta=ObjectMeta(name="pd", annotations={
-            "pdgate.io/kv-pool": "mooncake-store"}), model="m", inference_engine="vLLM",
-            match_labels={"app": "pd"},
-            pd_group=PDGroup("group", {"role": "prefill"}, {"role": "decode"}), port=8000),
-        groups=pd_server({"g": (["p1", "p2"], ["d1"])}).groups,
-    )  # fmt: skip
+def _pool_server_in_view(rt: SchedulerRuntime, view: ClusterView) -> ServerPods:
+    """A PD server that declares a Mooncake Store pool, with two prefill pods and one decode
+    pod, published through `view` (as a config directory or the API server would)."""
+    view.apply(ModelServer(
+        meta=ObjectMeta(name="pd", annotations={"pdgate.io/kv-pool": "mooncake-store"}),
+        model="m", inference_engine="vLLM", match_labels={"app": "pd"},
+        pd_group=PDGroup("group", {"role": "prefill"}, {"role": "decode"}), port=8000,
+    ))  # fmt: skip
+    for name, role in (("p1", "prefill"), ("p2", "prefill"), ("d1", "decode")):
+        view.apply(Pod(meta=ObjectMeta(name=name, labels={"app": "pd", "role": role,
+                                                          "group": "g"}),
+                       ip="10.0.0.1", ready=True))
+    return view.snapshot.servers[("default", "pd")]
+
+
+#: Blocks keyed by the engines' own hashes (their seed known), so events need no token ids.
+ENGINE_HASHES = {"preciseIndex": {"keys": "hashes", "hashSeed": "0"}}
+
+
+def test_prefill_pods_stored_blocks_feed_the_precise_pool_without_store_events() -> None:
+    registry = CollectorRegistry()
+    view = ClusterView()
+    config = parse_scheduler_config(ENGINE_HASHES)
+    rt = SchedulerRuntime(config, InFlight(registry), view, registry,
+                          rng=random.Random(0), tokenize=sim_tokens)
+    server = _pool_server_in_view(rt, view)
     scorer = PrecisePrefixCacheScorer(1.0, rt.deps, {})
     cands = candidates(rt, list(server.groups[0].prefill))
+    first = context(rt, server, request("first? " + "a long question " * 40))
+    hashes = first.prompt.precise_hashes()
+    # p1 computed the prompt: its connector wrote every block to the store, so p2 can pull
+    # all of them although p2 holds none and no engine published a store event.
+    rt.precise.stored("default/p1", "default/pd", hashes, "GPU")
+    assert rt.precise.store_blocks("default/pd") == set(hashes)
+    again = context(rt, server, request("first? " + "a long question " * 40))
+    scorer.score(again, cands)
+    assert again.precise_local == [len(hashes), 0]
+    assert again.precise_reach == [len(hashes), len(hashes)]
+    # Decode pods write nothing to the store (they read what prefill wrote).
+    rt.precise.stored("default/d1", "default/pd", [7, 8], "GPU")
+    assert not {7, 8} & rt.precise.store_blocks("default/pd")
+    # With the pool view off in the config, a prefill pod's blocks stay its own.
+    rt.apply_config(parse_scheduler_config({**ENGINE_HASHES, "poolView": {"enabled": False}}))
+    rt.precise.stored("default/p1", "default/pd", [40, 41], "GPU")
+    assert not {40, 41} & rt.precise.store_blocks("default/pd")
+    rt.apply_config(config)
+    rt.precise.stored("default/p1", "default/pd", [40, 41], "GPU")
+    assert {40, 41} <= rt.precise.store_blocks("default/pd")
+    # Once the engines publish store events themselves, they alone say what the pool holds.
+    rt.precise.stored("default/p2", "default/pd", [50], "MOONCAKE")
+    rt.precise.stored("default/p1", "default/pd", [60, 61], "GPU")
+    assert rt.precise.store_blocks("default/pd") == {*hashes, 40, 41, 50}
 
-    def dispatch(question: str) -> list[int]:
-        ctx = context(rt, server, request(question))
-        ctx.server_costs = rt.scheduler._layout(server).costs
-        scorer.score(ctx, cands)
-        scorer.picked(ctx, cands, 0)
-        rt.deps.pending.flush(float("inf"))
-        return ctx.prompt.precise_hashes()
 
-    first = dispatch("first? " + "a long question " * 40)
-    assert rt.precise.store_blocks("default/pd") >= set(first)  # inferred from dispatch
-    rt.precise.stored("default/p2", "default/pd", first[:3], "MOONCAKE")  # engines speak
-    before = rt.precise.store_blocks("default/pd")
-    second = dispatch("second? " + "another question " * 40)
-    assert not set(second) <= before  # a new prompt...
-    assert rt.precise.store_blocks("default/pd") == before  # ...left to the engines' events
+def test_precise_picks_on_a_pool_server_record_nothing_in_the_pool_themselves() -> None:
+    """Dispatches do not feed the precise pool (the prefill pod's events do): so a prompt
+    is never encoded past the first block no pod and no pool holds just to record it."""
+    registry = CollectorRegistry()
+    view = ClusterView()
+    config = parse_scheduler_config({**ENGINE_HASHES, "profiles": {"prefill": {"scorers": [
+        {"type": "precise-prefix-cache", "weight": 1.0},
+        {"type": "least-request", "weight": 1.0},
+    ]}}})  # fmt: skip
+    rt = SchedulerRuntime(config, InFlight(registry), view, registry,
+                          rng=random.Random(0), tokenize=sim_tokens)
+    server = _pool_server_in_view(rt, view)
+    req = request("new? " + "a question nobody asked " * 80)
+    asyncio.run(rt.scheduler.prepare(server, req))
+    pick = rt.scheduler.pick(server, req, frozenset())
+    assert pick is not None and pick.prefill is not None
+    rt.deps.pending.flush(float("inf"))  # every deferred record is due
+    assert rt.precise.store_blocks("default/pd") == set()
+    # What the chosen prefill pod then stores is what the pool holds.
+    hashes = context(rt, server, req).prompt.precise_hashes()
+    rt.precise.stored(pick.prefill.key, "default/pd", hashes, "GPU")
+    assert rt.precise.store_blocks("default/pd") == set(hashes)
 
 
 def test_least_request_score_and_its_seconds() -> None:

@@ -21,6 +21,7 @@ from router.scheduling.pool_view import (
     POOL_ANNOTATION,
     POOL_CAPACITY_ANNOTATION,
     PendingWrites,
+    PoolSettings,
     PoolView,
     pool_settings,
 )
@@ -138,14 +139,20 @@ def test_pool_view_is_a_bounded_lru_of_leading_blocks() -> None:
     assert view.total_blocks == 0
 
 
-def test_precise_pool_is_fed_by_dispatches_and_refined_by_store_events() -> None:
+def test_precise_pool_is_fed_by_its_writers_and_refined_by_store_events() -> None:
     index = PrecisePrefixIndex(max_store_blocks=100)
-    index.record_pool("ns/s", [10, 11, 12], capacity_blocks=3)
-    assert index.match(["ns/p"], "ns/s", [10, 11, 12]) == ([0], [3])
+    pool = PoolSettings(True, capacity_tokens=3 * 16)  # 3 blocks of 16 tokens
+    index.set_pool_writers({"ns/p": ("ns/s", pool)})
+    index.stored("ns/p", "ns/s", [10, 11, 12], "GPU")  # p's connector wrote them too
+    assert index.match(["ns/q"], "ns/s", [10, 11, 12]) == ([0], [3])
+    index.stored("ns/q", "ns/s", [13], "GPU")  # q is no writer (a decode pod, say)
+    assert index.store_blocks("ns/s") == {10, 11, 12}
+    index.stored("ns/p", "ns/s", [20], "GPU")  # bound 3: the oldest (10) goes
+    assert index.store_blocks("ns/s") == {11, 12, 20}
     index.removed("ns/p", "ns/s", [11], "MOONCAKE")  # the store said block 11 left
-    assert index.match(["ns/p"], "ns/s", [10, 11, 12]) == ([0], [1])
-    index.stored("ns/p", "ns/s", [11], "MOONCAKE")
-    index.record_pool("ns/s", [20], capacity_blocks=3)  # bound 3: the oldest (10) goes
+    assert index.match(["ns/q"], "ns/s", [11, 12]) == ([0], [0])
+    index.stored("ns/p", "ns/s", [11], "MOONCAKE")  # the engines speak for the store now
+    index.stored("ns/p", "ns/s", [30], "GPU")
     assert index.store_blocks("ns/s") == {11, 12, 20}
 
 

@@ -12,7 +12,8 @@
 - R_p = leading blocks pod p holds itself OR finds in the shared store pool of the
         ModelServer: blocks a pod published with a store medium (e.g. MOONCAKE), and,
         when the ModelServer declares a pool (`pool_view.py`) and its engines publish no
-        store events, the prompts the router dispatched to it (so they are not blind);
+        store events, the blocks its prefill pods stored (their connector writes each to
+        the store), so they are not blind;
 - T   = the prompt's tokens; L_p, R_p in tokens are blocks x the block size;
 - P, pull: the server's calibrated prefill curve and pool pull cost, as in `prefix-cache`
         (Mooncake's Conductor: the pool pays only when pulling beats recomputing);
@@ -88,18 +89,7 @@ class PrecisePrefixCacheScorer(Scorer):
         return approximate_scale_s(ctx)
 
     def picked(self, ctx: PickContext, cands: Candidates, index: int) -> None:
+        # The precise index learns what the pods (and the pool, `pool_view.py`) hold from
+        # the engines' own events: only a fallen-back server is recorded by the router.
         if self._fallen_back(ctx):
             record_approximate(ctx, cands, index, self.deps)
-            return
-        costs = ctx.server_costs
-        if not costs.pool.enabled or self.deps.precise.store_fed(costs.scope):
-            return  # no pool, or the engines say what it holds
-        space = self.deps.precise.space(costs.scope)
-        hashes = ctx.prompt.precise_hashes(space)
-        if hashes:
-            size = space.block_size if space is not None else self.deps.hasher.space.block_size
-            precise, scope = self.deps.precise, costs.scope
-            blocks = costs.pool.capacity_blocks(size)
-            self.deps.pending.defer(
-                ctx.ready_at, lambda: precise.record_pool(scope, hashes, blocks)
-            )

@@ -171,7 +171,8 @@ class ReloadConfig:
 
 @dataclass(frozen=True, slots=True)
 class PoolViewConfig:
-    """The dispatch-fed view of ModelServers that declare a shared KV pool (pool_view.py)."""
+    """The router's view of ModelServers that declare a shared KV pool (pool_view.py): fed
+    by dispatches (approximate index) or by their prefill pods' events (precise index)."""
 
     enabled: bool = True
     capacity_tokens: int = DEFAULT_POOL_CAPACITY_TOKENS

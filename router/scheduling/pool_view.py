@@ -26,8 +26,8 @@ router then never encodes a prompt past the first block nobody holds. Who publis
   (vllm-project/vllm#44103 fixed their hashes for hybrid models);
 - LMCache: KV events for its storage backends (LMCache RFC #1846);
 - vllm-ascend with the Mooncake/Memcache KV pool: none yet (vllm-ascend RFC #6391,
-  Mooncake RFC #1408 propose a Mooncake-side publisher): the dispatch-fed view is the
-  only view there;
+  Mooncake RFC #1408 propose a Mooncake-side publisher): the dispatch-fed view (and,
+  for the precise index, the prefill pods' GPU events) is the only view there;
 - vLLM's GPU prefix cache and CPU `OffloadingConnector`: medium `GPU` / `CPU` (local to
   the pod, not the pool).
 """

@@ -358,7 +358,7 @@ class PrecisePrefixIndex:
 
     def store_fed(self, scope: str) -> bool:
         """Whether `scope`'s pods have published blocks with a store medium: then the
-        store pool is known from the engines and need not be inferred from dispatches."""
+        store pool is known from them, not inferred from the pool writers' local blocks."""
         return scope in self._store_fed
 
     def holds(self, key: str, block_hash: int) -> bool:

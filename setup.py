@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,16 @@ class OptionalBuildExt(build_ext):
                 if os.path.exists(path):
                     os.remove(path)
             _warn(f"compiling failed ({exc})")
+            return
+        # mypyc rewrites only the C files whose code changed, and setuptools relinks only
+        # an extension older than its C: after an edit that changes no code (a docstring),
+        # the extensions would keep their old times and look older than their sources
+        # (`router/build.py` `stale_modules`). They are what these sources build: say so.
+        now = time.time()
+        for ext in self.extensions:
+            path = self.get_ext_fullpath(ext.name)
+            if os.path.exists(path):
+                os.utime(path, (now, now))
 
 
 def _extensions() -> list[Any]:

@@ -3,12 +3,13 @@
 CPython collects its youngest generation every 700 net allocations of container objects
 and, now and then, walks every object the process holds. A router allocates a few dozen
 short-lived objects per request (the request's dicts, its task and futures, the parsed
-body), and nearly all of them are freed by reference counting, not by the collector:
-measured on the `overhead` workload (2 `--fast` pods, 64 concurrent streams, about 34,000
-requests), the collector found about 2,000 unreachable objects in all, yet took 13% of
-the router's CPU. Most of that was full collections walking what start-up built (imported
-modules, FastAPI's app and its pydantic models, the scheduler's tables), about 60 ms each
-with the event loop stopped, the rest young collections every few requests.
+body), and nearly all of them are freed by reference counting, not by the collector
+(about 2,000 unreachable objects in all over 33,000 requests). Measured on the `overhead`
+workload (2 `--fast` pods, 64 concurrent streams, about 28,000 requests), the collector
+still took 13% of the router's CPU: most of it in full collections walking what start-up
+built (imported modules, FastAPI's app and its pydantic models, the scheduler's tables),
+about 60 ms each with the event loop stopped, the rest in young collections every few
+requests.
 
 `tune()` runs once, when the router is built and about to serve:
 

@@ -44,6 +44,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Final
 
 from router.kvhash.keyspace import TOKENS_ROOT, KeySpace
+from router.kvhash.vllm import DEFAULT_BLOCK_SIZE
 from router.scheduling.block_index import PodSlots, leading_depths_with_shared
 from router.scheduling.pool_view import PoolSettings, touch_lru
 
@@ -58,8 +59,6 @@ MAX_MEDIA_BITS: Final = 16
 #: Distinct medium names remembered at all (an engine naming more gets the shared bit).
 MAX_MEDIA_NAMES: Final = 64
 GPU_MEDIUM: Final = "GPU"
-#: Tokens per block when neither the event nor the scope's key space says (vLLM's default).
-DEFAULT_BLOCK_SIZE: Final = 16
 #: `tokens` mode: a pod entry is (router key << MEDIA_SHIFT) | medium bits.
 MEDIA_SHIFT: Final = MAX_MEDIA_BITS
 _MEDIA_MASK: Final = (1 << MEDIA_SHIFT) - 1

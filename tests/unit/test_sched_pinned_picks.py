@@ -30,6 +30,7 @@ from router.resources import ModelServer, ObjectMeta, PDGroup
 from router.scheduling import Pick, ScheduleRequest
 from router.scheduling.config import SchedulerConfig, parse_scheduler_config
 from router.scheduling.context import PromptInfo
+from router.scheduling.kv_events import scope_of
 from router.scheduling.metrics_scraper import EngineLoad
 from router.scheduling.pool_view import pool_writers
 from router.scheduling.runtime import SchedulerRuntime
@@ -195,9 +196,8 @@ def run_scenario(
         if publishes and rng.random() < 0.8:  # some events are still on their way
             prompt = PromptInfo(req, rt.deps.hasher, a.block_bytes, a.max_prompt_blocks,
                                 a.chars_per_token)
-            scope = f"{server.server.meta.namespace}/{server.server.meta.name}"
             stored = pick.prefill or pick.decode
-            rt.precise.stored(stored.key, scope, prompt.precise_hashes(), "GPU")
+            rt.precise.stored(stored.key, scope_of(server), prompt.precise_hashes(), "GPU")
     return rows
 
 

@@ -26,6 +26,7 @@ from benchmarks.phases import Bench, planned_runs
 from benchmarks.policies import PDGATE_POLICIES, QUICK_POLICIES, lineup
 from benchmarks.procs import StartupError
 from benchmarks.results import RouterResources, RunRecord, read_raw, write_raw
+from router import build
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 PHASES = ("overhead", "streaming", "scheduling", "tokenization", "decision", "trace")
@@ -93,15 +94,6 @@ def _split(text: str, allowed: Sequence[str], what: str) -> list[str]:
     if bad:
         raise SystemExit(f"unknown {what}: {bad} (choose from {list(allowed)})")
     return items
-
-
-def _compiled() -> str:
-    """How pdgate's scheduling hot path ran in this run (`router/build.py`)."""
-    from router.build import COMPILED_MODULES, compiled_modules
-
-    done = len(compiled_modules())
-    return (f"compiled with mypyc ({done} of {len(COMPILED_MODULES)} modules)" if done
-            else "pure Python (not compiled)")
 
 
 def _peers() -> str:
@@ -277,7 +269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "machine": f"{os.cpu_count()} CPUs, {platform.platform()}, "
                    f"Python {platform.python_version()}",
         "peers": _peers(),
-        "compiled": _compiled(),
+        "compiled": build.summary(),
         "skipped": bench.skipped,
         "method": _method(config),
     }  # fmt: skip

@@ -199,10 +199,9 @@ def main() -> None:
     parser.add_argument("--no-precise", action="store_true")
     args = parser.parse_args()
     sizes = tuple(int(s) for s in args.pods.split(","))
-    from router.build import COMPILED_MODULES, compiled_modules
+    from router.build import summary
 
-    print(f"scheduling hot path: {len(compiled_modules())} of {len(COMPILED_MODULES)} modules "
-          "compiled (router/build.py)")
+    print(f"scheduling hot path: {summary()} (router/build.py)")
     print(f"{'case':34} {'p50 µs':>10} {'p90 µs':>10}")
     for case, (p50, p90) in run(args.requests, sizes, args.tokenizer,
                                 not args.no_precise).items():

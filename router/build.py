@@ -64,6 +64,13 @@ def compiled_modules() -> list[str]:
     ]
 
 
+def summary() -> str:
+    """How this process runs the hot path, in the words logs and reports use."""
+    done = len(compiled_modules())
+    return (f"compiled with mypyc ({done} of {len(COMPILED_MODULES)} modules)" if done
+            else "pure Python (not compiled)")
+
+
 def stale_modules() -> list[str]:
     """Compiled modules of a source checkout whose source is newer than the build: an
     edit since the last `make setup`, which the process does not run. An installed

@@ -243,11 +243,10 @@ def _reliability_configs(
 
 def _log_build() -> None:
     """Say whether the scheduling hot path runs compiled (setup.py); warn of a stale build."""
-    from router.build import COMPILED_MODULES, compiled_modules, stale_modules
+    from router.build import stale_modules, summary
 
     log = logging.getLogger("pdgate.build")
-    log.info("scheduling hot path: %d of %d modules compiled", len(compiled_modules()),
-             len(COMPILED_MODULES))
+    log.info("scheduling hot path: %s", summary())
     stale = stale_modules()
     if stale:
         log.warning("compiled modules older than their source (run `make setup`): %s",

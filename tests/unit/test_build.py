@@ -15,6 +15,7 @@ from router.build import (
     module_name,
     shared_library,
     stale_in,
+    summary,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -34,6 +35,10 @@ def test_compiled_is_all_of_the_list_or_none_of_it() -> None:
     assert compiled in ([], list(COMPILED_MODULES))
     for name in compiled:
         assert (import_module(name).__file__ or "").endswith(tuple(EXTENSION_SUFFIXES))
+    # What logs and bench reports say of this process.
+    n = len(COMPILED_MODULES)
+    assert summary() == (f"compiled with mypyc ({n} of {n} modules)" if compiled
+                         else "pure Python (not compiled)")
 
 
 def test_a_source_edited_after_the_build_is_stale(tmp_path: Path) -> None:

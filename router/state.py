@@ -30,9 +30,10 @@ from router.view import ClusterView, Snapshot
 
 log = logging.getLogger("pdgate.state")
 
-#: Seconds a worker of several (`--workers N`) waits, at start, for its view and its
-#: tokenizers before it starts accepting connections anyway (logged).
-WORKER_WARM_UP_TIMEOUT_S: Final = 60.0
+#: Seconds a router waits, at start, for its view and its tokenizers: a worker of several
+#: (`--workers N`) before it accepts connections, a single process before `/readyz` says
+#: ready. After that it serves (and says ready) anyway, logged.
+WARM_UP_TIMEOUT_S: Final = 60.0
 
 
 @dataclass(slots=True)
@@ -87,6 +88,8 @@ class AppState:
         )
         self.sources: list[Source] = list(config.extra_sources)
         self.started_at = time.time()
+        #: The first view is in and its tokenizers loaded (or given up on): `_warm_up`.
+        self.warm = False
         self._tasks: list[asyncio.Task[None]] = []
         self.view.subscribe(self._on_snapshot)
 
@@ -104,7 +107,7 @@ class AppState:
 
     @property
     def ready(self) -> bool:
-        return self.synced and not self.draining
+        return self.synced and self.warm and not self.draining
 
     def refresh_gauges(self) -> None:
         self.metrics.ready.set(1 if self.ready else 0)
@@ -151,25 +154,31 @@ class AppState:
             self._tasks.append(asyncio.create_task(self.worker_metrics.serve()))
         if self.config.sync is not None and self.config.sync.workers > 1:
             await self._warm_up()
+        else:
+            self._tasks.append(asyncio.create_task(self._warm_up()))
 
     async def _warm_up(self) -> None:
-        """A worker of several: wait for the view and the tokenizers before serving.
+        """Wait for the first view and its tokenizers, then count as warm (`ready`).
 
-        Its SO_REUSEPORT socket starts listening only after this start-up returns
-        (`router.sync.workers.reuseport_socket`), and the kernel hands new connections
-        to any listening worker, ready or not: a worker that listened at once got
-        connections while it was still loading its view, and while its tokenizer load
-        (a second or more holding the GIL) stalled its event loop. Bounded: after
-        `WORKER_WARM_UP_TIMEOUT_S` it serves anyway.
+        Until a ModelServer's tokenizer is loaded its precise prefix-cache scoring falls
+        back to the approximate index, and the load (a second or more holding the GIL)
+        stalls the event loop: a router that said ready at once took traffic it could
+        neither score nor serve promptly. Only the first view is waited for: a tokenizer
+        loaded later (a new ModelServer) must not take every replica out of its Service
+        at once. A worker of several (`--workers N`) awaits this before its SO_REUSEPORT
+        socket listens (`router.sync.workers.reuseport_socket`), since the kernel hands
+        connections to any listening worker, ready or not. Bounded: after
+        `WARM_UP_TIMEOUT_S` the router serves and says ready anyway.
         """
         try:
-            async with asyncio.timeout(WORKER_WARM_UP_TIMEOUT_S):
+            async with asyncio.timeout(WARM_UP_TIMEOUT_S):
                 while not self.synced:  # noqa: ASYNC110 - sources signal no event
                     await asyncio.sleep(0.05)
                 await self.scheduler_runtime.tokenizers.wait_loaded()
         except TimeoutError:
-            log.warning("worker not warm after %.0f s (view synced: %s): serving anyway",
-                        WORKER_WARM_UP_TIMEOUT_S, self.synced)
+            log.warning("not warm after %.0f s (view synced: %s): serving anyway",
+                        WARM_UP_TIMEOUT_S, self.synced)
+        self.warm = True
 
     async def stop(self) -> None:
         for task in self._tasks:

@@ -154,7 +154,8 @@ def _engine_hits(pods: list[PodSpec]) -> dict[str, float]:
 
 
 def _router_prediction(base_url: str) -> dict[str, float]:
-    """The TTFT model's figures from pdgate's /metrics (empty for other routers)."""
+    """The TTFT model's figures and the CPU of its background work (KV events, tokenizing)
+    from pdgate's /metrics (empty for other routers)."""
     try:
         with urllib.request.urlopen(f"{base_url}/metrics", timeout=5) as response:
             text = response.read().decode()
@@ -169,6 +170,9 @@ def _router_prediction(base_url: str) -> dict[str, float]:
             out["abs_error_sum"] = float(line.rsplit(" ", 1)[1])
         elif line.startswith("pdgate_scheduler_prefill_prediction_error_seconds_count"):
             out["abs_error_count"] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("pdgate_background_cpu_seconds_total{"):
+            work = line.split('work="', 1)[1].split('"', 1)[0]
+            out[f"cpu_{work}"] = float(line.rsplit(" ", 1)[1])
     return out
 
 
@@ -333,6 +337,19 @@ def render(results: list[tuple[dict[str, Any], list[TraceRun]]]) -> str:
                     f"| {1e3 * p.get('fit_b', float('nan')):.4f} | {p.get('fit_c', 0):.2e} "
                     f"| {p.get('fit_samples', 0):.0f} | {mean_abs:.3f} "
                     f"| {100 * p.get('fit_error_ratio', float('nan')):.0f}% |"
+                )
+            lines += ["", "Where pdgate's CPU went (s; `pdgate_background_cpu_seconds`, thread "
+                      "CPU where the work ran):", "",
+                      "| policy | router CPU | KV events | tokenizing | the rest |",
+                      "| --- | --- | --- | --- | --- |"]
+            for r in preds:
+                events = r.prediction.get("cpu_kv_events", 0.0)
+                tokenize = r.prediction.get("cpu_tokenize", 0.0)
+                total = r.router_cpu_s
+                rest = "-" if total is None else f"{total - events - tokenize:.2f}"
+                lines.append(
+                    f"| {r.router} | {'-' if total is None else f'{total:.2f}'} "
+                    f"| {events:.2f} | {tokenize:.2f} | {rest} |"
                 )
             lines.append("")
     return "\n".join(lines)

@@ -14,9 +14,9 @@ so nothing else writes them; an exposition reads each number once.
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from itertools import accumulate
-from typing import Final
+from typing import Final, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
@@ -61,12 +61,20 @@ class LocalCounter:
         self.value += amount
 
 
+class CounterSource(Protocol):
+    """Anything with a running total to export as a counter (`LocalCounter`, a tally kept
+    by another component)."""
+
+    @property
+    def value(self) -> float: ...
+
+
 class _LocalCollector(Collector):
     """Exports the `Local*` children as ordinary Prometheus histograms and counters."""
 
     def __init__(self) -> None:
         self.histograms: list[tuple[str, str, str, dict[str, LocalHistogram]]] = []
-        self.counters: list[tuple[str, str, str, dict[str, LocalCounter]]] = []
+        self.counters: list[tuple[str, str, str, Mapping[str, CounterSource]]] = []
 
     def collect(self) -> Iterator[Metric]:
         for name, doc, label, children in self.histograms:
@@ -89,6 +97,14 @@ class SchedulerMetrics:
         local = _LocalCollector()
         self.queries = {kind: LocalCounter() for kind in INDEX_KINDS}
         self.hits = {kind: LocalCounter() for kind in INDEX_KINDS}
+        #: Thread CPU seconds of work done beside the requests' own handling, measured
+        #: where it runs: what the precise index costs. `kv_events` is counted on the
+        #: event loop (`kv_events.PodEventStream`); `tokenize` is the tokenize threads'
+        #: tally (`offload.TokenizePool.cpu`, set by the scheduler runtime).
+        self.kv_events_cpu = LocalCounter()
+        self.background_cpu: dict[str, CounterSource] = {
+            "kv_events": self.kv_events_cpu, "tokenize": LocalCounter(),
+        }
         local.counters += [
             ("pdgate_prefix_cache_queries",
              "Prompt blocks looked up for the pod each request was sent to (prefill or "
@@ -96,6 +112,10 @@ class SchedulerMetrics:
             ("pdgate_prefix_cache_hits",
              "Prompt blocks the chosen pod held according to the index, by index.",
              "index", self.hits),
+            ("pdgate_background_cpu_seconds",
+             "Thread CPU seconds spent beside request handling: applying KV events to the "
+             "precise index (kv_events), tokenizing prompts off the event loop (tokenize).",
+             "work", self.background_cpu),
         ]  # fmt: skip
         self.index_blocks = Gauge(
             "pdgate_prefix_index_blocks", "Block entries held by a prefix index.",

@@ -121,6 +121,7 @@ class SchedulerRuntime:
         self.engines = EngineMetricsStore()
         self.tokenizers = TokenizerRegistry()
         self.tokenize_pool = TokenizePool()
+        self.metrics.background_cpu["tokenize"] = self.tokenize_pool.cpu
         self.parity = ParityProber(self.tokenizers, registry)
         self.fallback = PreciseFallback(
             self.tokenizers, self.parity, registry, injected=tokenize is not None,

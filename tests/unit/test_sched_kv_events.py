@@ -347,6 +347,19 @@ async def test_in_order_batches_and_a_gap_filled_by_replay() -> None:
         await rig.close()
 
 
+async def test_the_cpu_applying_events_is_counted() -> None:
+    rig = Rig()
+    await rig.start()
+    try:
+        assert rig.metric("pdgate_background_cpu_seconds_total", work="kv_events") == 0
+        await rig.engine.publish(payload(stored(*range(1, 4001))))
+        await eventually(lambda: len(rig.blocks()) == 4000)
+        spent = rig.metric("pdgate_background_cpu_seconds_total", work="kv_events")
+        assert 0 < spent < 5  # thread CPU of one 4,000-block batch, not wall time
+    finally:
+        await rig.close()
+
+
 async def test_map_encoded_batches_and_all_blocks_cleared() -> None:
     rig = Rig()
     await rig.start()

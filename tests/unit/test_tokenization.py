@@ -23,6 +23,7 @@ from router.tokenization import (
     resolve_tokenizer_dir,
 )
 from router.tokenization.messages import conversation, tool_schemas
+from router.tokenization.offload import TokenizePool
 from router.tokenization.tokenizer import chunks
 from router.view import ServerPods, Snapshot
 from tests.sim_tokens import sim_server, sim_tokenizer
@@ -370,3 +371,17 @@ async def test_registry_loads_off_the_event_loop_and_forgets_unused() -> None:
     assert registry.get(server) is sim_tokenizer()
     registry.on_snapshot(Snapshot())
     assert registry.get(server) is None
+
+
+async def test_the_pool_counts_its_jobs_thread_cpu() -> None:
+    pool = TokenizePool(threads=1)
+    try:
+        body = {"messages": [{"role": "user", "content": "many words " * 2_000}]}
+        ids = await pool.request_ids(sim_tokenizer(), "chat", body)
+        assert len(ids[0]) > 2_000
+        first = pool.cpu.value
+        assert first > 0  # the encode ran on the pool and was timed there
+        await pool.call(lambda: None)
+        assert pool.cpu.value - first < 0.05  # an empty job adds next to nothing
+    finally:
+        pool.close()

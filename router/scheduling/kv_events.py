@@ -181,10 +181,10 @@ class PodEventStream:
         except DecodeError as exc:
             self._metrics.kv_event_errors.inc()
             log.warning("kv events from %s: undecodable batch: %s", self.target.key, exc)
-            return
-        apply_events(self._index, self.target.key, self.target.scope, events)
-        self.batches += 1
-        self._metrics.kv_event_batches.inc()
+        else:
+            apply_events(self._index, self.target.key, self.target.scope, events)
+            self.batches += 1
+            self._metrics.kv_event_batches.inc()
         self._metrics.kv_events_cpu.inc(time.thread_time() - started)
 
     def _clear(self, how: str) -> None:

@@ -92,7 +92,9 @@ class _LocalCollector(Collector):
 
 
 class SchedulerMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(
+        self, registry: CollectorRegistry, tokenize_cpu: CounterSource | None = None
+    ) -> None:
         self.registry = registry
         local = _LocalCollector()
         self.queries = {kind: LocalCounter() for kind in INDEX_KINDS}
@@ -100,10 +102,11 @@ class SchedulerMetrics:
         #: Thread CPU seconds of work done beside the requests' own handling, measured
         #: where it runs: what the precise index costs. `kv_events` is counted on the
         #: event loop (`kv_events.PodEventStream`); `tokenize` is the tokenize threads'
-        #: tally (`offload.TokenizePool.cpu`, set by the scheduler runtime).
+        #: own tally (`offload.TokenizePool.cpu`), read at each exposition.
         self.kv_events_cpu = LocalCounter()
         self.background_cpu: dict[str, CounterSource] = {
-            "kv_events": self.kv_events_cpu, "tokenize": LocalCounter(),
+            "kv_events": self.kv_events_cpu,
+            "tokenize": tokenize_cpu if tokenize_cpu is not None else LocalCounter(),
         }
         local.counters += [
             ("pdgate_prefix_cache_queries",

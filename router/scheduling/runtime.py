@@ -107,7 +107,8 @@ class SchedulerRuntime:
         config_path: Path | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.metrics = SchedulerMetrics(registry)
+        self.tokenize_pool = TokenizePool()
+        self.metrics = SchedulerMetrics(registry, tokenize_cpu=self.tokenize_pool.cpu)
         self._tokenize = tokenize
         approx_cfg = config.approximate_index
         precise_cfg = config.precise_index
@@ -120,8 +121,6 @@ class SchedulerRuntime:
         )
         self.engines = EngineMetricsStore()
         self.tokenizers = TokenizerRegistry()
-        self.tokenize_pool = TokenizePool()
-        self.metrics.background_cpu["tokenize"] = self.tokenize_pool.cpu
         self.parity = ParityProber(self.tokenizers, registry)
         self.fallback = PreciseFallback(
             self.tokenizers, self.parity, registry, injected=tokenize is not None,

@@ -1,12 +1,15 @@
 """Real processes on loopback for end-to-end tests: simulated pods, the router, config YAML.
 
 Every pod of one ModelServer shares `workloadPort.port`, as in a cluster, so each
-simulated pod binds its own 127.x address on that port (all of 127/8 is loopback).
+simulated pod binds its own 127.x address on that port (all of 127/8 is loopback). Pods
+also bind vLLM's fixed ports on their address (KV events 5557, the bootstrap server 8998):
+each test module takes its addresses from `loopback_net()`, so no two share one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import signal
 import subprocess
@@ -25,6 +28,32 @@ from engine_sim.ports import common_free_port as free_port
 from engine_sim.ports import wait_http
 
 API_VERSION = "networking.serving.volcano.sh/v1alpha1"
+
+#: Loopback /24s one test session may take (`loopback_net`).
+NETS_PER_SESSION = 64
+#: Sessions' slots of `NETS_PER_SESSION` nets in 127.1.0.0-127.254.255.255.
+_SESSION_SLOTS = 254 * 256 // NETS_PER_SESSION
+_SESSION_FIRST_NET = (os.getpid() % _SESSION_SLOTS) * NETS_PER_SESSION
+#: What every pod address of this session starts with: an error a client sees must not
+#: contain it (pod addresses are internal).
+POD_ADDRESS_PREFIX = f"127.{1 + _SESSION_FIRST_NET // 256}."
+_next_net = itertools.count()
+
+
+def loopback_net() -> str:
+    """A loopback /24, "127.A.B", that no other caller in this test session gets.
+
+    A fixed address per module was shared by modules (and by two suites run at once on
+    one machine): a pod still holding 127.0.93.11:5557 made the next module's pod exit
+    with "Address already in use". Sessions are spread by pid (slots of 64 nets, as
+    `benchmarks.cluster.loopback_net` spreads bench runs), and kept out of 127.0.x, where
+    the routers listen (127.0.0.1) and the benchmarks' pods live.
+    """
+    index = next(_next_net)
+    if index >= NETS_PER_SESSION:
+        raise RuntimeError(f"a test session takes at most {NETS_PER_SESSION} loopback nets")
+    net = _SESSION_FIRST_NET + index
+    return f"127.{1 + net // 256}.{net % 256}"
 
 
 def get_json(url: str) -> object:

@@ -48,7 +48,7 @@ _dirs = itertools.count()
 @pytest.fixture(scope="module")
 def cluster(mooncake_master: object, tmp_path_factory: pytest.TempPathFactory
             ) -> Iterator[FaultCluster]:
-    specs = pd_specs(APP, 221)
+    specs = pd_specs(APP)
     port = free_port([s.ip for s in specs])
     faults = FaultCluster(SimCluster(mooncake_master, tmp_path_factory.mktemp("cfgfaults")),
                           port, specs)

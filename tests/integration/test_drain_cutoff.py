@@ -18,7 +18,7 @@ import aiohttp
 import openai
 import pytest
 
-from tests.integration.harness import SimCluster, SimPodSpec, free_port, write_yaml
+from tests.integration.harness import SimCluster, SimPodSpec, free_port, loopback_net, write_yaml
 from tests.integration.test_faults_kit import (
     FaultCluster,
     Router,
@@ -43,10 +43,11 @@ STREAMS = 3
 def slow(mooncake_master: object, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     FaultCluster
 ]:
+    net = loopback_net()
     specs = [
         SimPodSpec(name=f"g0-{role}", ip=ip, role=role, group="g0",
                    labels={"app": APP, "group": "g0", "role": role})
-        for role, ip in (("prefill", "127.0.0.161"), ("decode", "127.0.0.162"))
+        for role, ip in (("prefill", f"{net}.11"), ("decode", f"{net}.12"))
     ]
     port = free_port([s.ip for s in specs])
     cluster = FaultCluster(SimCluster(mooncake_master, tmp_path_factory.mktemp("cutoff")),

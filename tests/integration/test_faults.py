@@ -53,7 +53,7 @@ ROUTER_FLAGS = [
 def faulty(mooncake_master: object, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     tuple[FaultCluster, Router]
 ]:
-    specs = pd_specs(APP, 71)
+    specs = pd_specs(APP)
     port = free_port([s.ip for s in specs])
     cluster = FaultCluster(SimCluster(mooncake_master, tmp_path_factory.mktemp("faults")),
                            port, specs)

@@ -21,26 +21,30 @@ import orjson
 
 from tests.integration.harness import (
     API_VERSION,
+    POD_ADDRESS_PREFIX,
     Process,
     SimCluster,
     SimPodSpec,
     free_port,
+    loopback_net,
     metric_values,
     pod_manifest,
     wait_http,
     write_yaml,
 )
 
-LEAK_MARKERS = ("Traceback", "10.12.0.7", "worker.py", "127.0.0.", "engine_sim fault")
+LEAK_MARKERS = ("Traceback", "10.12.0.7", "worker.py", POD_ADDRESS_PREFIX, "engine_sim fault")
 
 
-def pd_specs(app: str, base: int) -> list[SimPodSpec]:
-    """Two PD groups: g0 = (prefill 127.0.0.<base>, decode <base+1>), g1 = (<base+2>, ...)."""
+def pd_specs(app: str) -> list[SimPodSpec]:
+    """Two PD groups on a net of their own (`loopback_net`): g0 = (prefill .11, decode .12),
+    g1 = (.13, .14)."""
+    net = loopback_net()
     specs = []
     for g, group in enumerate(("g0", "g1")):
         for r, role in enumerate(("prefill", "decode")):
             specs.append(SimPodSpec(
-                name=f"{group}-{role}", ip=f"127.0.0.{base + 2 * g + r}", role=role, group=group,
+                name=f"{group}-{role}", ip=f"{net}.{11 + 2 * g + r}", role=role, group=group,
                 labels={"app": app, "group": group, "role": role},
             ))
     return specs

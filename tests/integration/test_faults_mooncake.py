@@ -48,7 +48,7 @@ def own_master(mooncake_master: object, tmp_path: Path) -> Iterator[MooncakeMast
 
 async def test_master_restart_fails_cleanly_or_succeeds(own_master: MooncakeMaster,
                                                         tmp_path: Path) -> None:
-    specs = pd_specs("mc", 121)
+    specs = pd_specs("mc")
     port = free_port([s.ip for s in specs])
     cluster = FaultCluster(SimCluster(own_master, tmp_path / "cluster"), port, specs)
     restarted: MooncakeMaster | None = None

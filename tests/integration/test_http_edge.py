@@ -51,7 +51,7 @@ APP = "edge"
 def edge_cluster(
     mooncake_master: object, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[FaultCluster]:
-    specs = pd_specs(APP, 161)
+    specs = pd_specs(APP)
     port = free_port([s.ip for s in specs])
     cluster = FaultCluster(SimCluster(mooncake_master, tmp_path_factory.mktemp("edge")),
                            port, specs)

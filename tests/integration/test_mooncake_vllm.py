@@ -21,10 +21,12 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from engine_sim.generation import expected_text
 from tests.integration.harness import (
+    POD_ADDRESS_PREFIX,
     SimCluster,
     SimPodSpec,
     free_port,
     get_json,
+    loopback_net,
     metric_values,
     pd_server_manifests,
     pod_manifest,
@@ -140,7 +142,7 @@ def _start(
 
 @pytest.fixture(scope="module")
 def cluster(mooncake_master: object, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    specs = _specs("mcv", "127.0.71")
+    specs = _specs("mcv", loopback_net())
     started = _start(
         mooncake_master, tmp_path_factory.mktemp("mc-vllm"), [("mcv", MODEL, specs, 2)]
     )
@@ -247,9 +249,9 @@ async def test_concurrent_requests_each_meet_their_own_prefill(cluster: Cluster)
 def faulty(mooncake_master: object, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     """`retry`: g0's bootstrap server answers garbage, g1's is sound. `bad`: g0's answers JSON
     without an engine id, g1's is down (connections refused)."""
-    retry = _specs("retry", "127.0.72", {"g0": ["--bootstrap-fault", "garbage"]})
+    retry = _specs("retry", loopback_net(), {"g0": ["--bootstrap-fault", "garbage"]})
     bad = _specs(
-        "bad", "127.0.73",
+        "bad", loopback_net(),
         {"g0": ["--bootstrap-fault", "malformed"], "g1": ["--bootstrap-fault", "down"]},
     )  # fmt: skip
     started = _start(
@@ -298,7 +300,7 @@ async def test_every_bootstrap_bad_is_a_clean_502(faulty: Cluster, stream: bool)
     assert caught.value.status_code == 502
     error = caught.value.body
     assert isinstance(error, dict) and error["code"] == "bad_bootstrap"
-    assert "bootstrap server" in error["message"] and "127.0." not in error["message"]
+    assert "bootstrap server" in error["message"] and POD_ADDRESS_PREFIX not in error["message"]
     assert faulty.metric("pdgate_requests_total", model=BAD_MODEL, status="502") == (
         failed_before + 1
     )

@@ -59,7 +59,7 @@ TTFT_AGREEMENT_S = 0.005
 def observed(mooncake_master: object, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     tuple[FaultCluster, Router]
 ]:
-    specs = pd_specs(APP, 181)
+    specs = pd_specs(APP)
     port = free_port([s.ip for s in specs])
     cluster = FaultCluster(SimCluster(mooncake_master, tmp_path_factory.mktemp("obs")),
                            port, specs)

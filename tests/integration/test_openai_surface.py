@@ -25,6 +25,7 @@ from tests.integration.harness import (
     SimPodSpec,
     free_port,
     get_json,
+    loopback_net,
     pod_manifest,
     write_yaml,
 )
@@ -35,12 +36,13 @@ pytestmark = pytest.mark.integration
 
 PD_MODEL = "sim-surface-pd"
 AGG_MODEL = "sim-surface-agg"
+NET = loopback_net()
 SPECS = [
-    SimPodSpec("pd-prefill", "127.0.0.161", "prefill", "g0",
+    SimPodSpec("pd-prefill", f"{NET}.11", "prefill", "g0",
                {"app": "surface-pd", "group": "g0", "role": "prefill"}),
-    SimPodSpec("pd-decode", "127.0.0.162", "decode", "g0",
+    SimPodSpec("pd-decode", f"{NET}.12", "decode", "g0",
                {"app": "surface-pd", "group": "g0", "role": "decode"}),
-    SimPodSpec("agg-0", "127.0.0.163", "both", None, {"app": "surface-agg"}),
+    SimPodSpec("agg-0", f"{NET}.13", "both", None, {"app": "surface-agg"}),
 ]
 MODELS = (PD_MODEL, AGG_MODEL)
 

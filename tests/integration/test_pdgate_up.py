@@ -32,6 +32,7 @@ from engine_sim.ports import accepts
 from tests.integration.harness import (
     SimPodSpec,
     free_port,
+    loopback_net,
     pd_server_manifests,
     pod_manifest,
     write_yaml,
@@ -41,10 +42,11 @@ from tests.integration.test_faults_kit import sse_payloads, wait_for
 pytestmark = pytest.mark.integration
 
 MODEL = "sim-up-model"
+NET = loopback_net()
 SPECS = [
     SimPodSpec(name=f"g0-{role}", ip=ip, role=role, group="g0",
                labels={"app": "up", "group": "g0", "role": role})
-    for role, ip in (("prefill", "127.0.0.171"), ("decode", "127.0.0.172"))
+    for role, ip in (("prefill", f"{NET}.11"), ("decode", f"{NET}.12"))
 ]
 #: Mooncake master, one prefill pod, one decode pod, the router.
 CHILDREN = 4

@@ -18,9 +18,11 @@ import pytest
 from engine_sim.generation import expected_text
 from engine_sim.mooncake_master import MooncakeMaster
 from tests.integration.harness import (
+    POD_ADDRESS_PREFIX,
     SimCluster,
     SimPodSpec,
     free_port,
+    loopback_net,
     metric_values,
     pd_server_manifests,
     pod_manifest,
@@ -30,7 +32,10 @@ from tests.integration.harness import (
 from tests.sim_tokens import chat_ids, prompt_ids
 
 MODEL = "sim-pd-model"
-GROUPS = {"g0": ("127.0.0.31", "127.0.0.32"), "g1": ("127.0.0.41", "127.0.0.42")}
+NET = loopback_net()
+GROUPS = {"g0": (f"{NET}.31", f"{NET}.32"), "g1": (f"{NET}.41", f"{NET}.42")}
+#: The fragile cluster's pods (one test kills one): their own addresses.
+FRAGILE_NET = loopback_net()
 QUESTION = [{"role": "user", "content": "Where is the capital of China?"}]
 LONG_PROMPT = "Tell me a story about rivers and mountains. " * 12  # several full KV blocks
 
@@ -176,7 +181,7 @@ async def test_malformed_body_is_400(
         error = (await response.json())["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert error["param"] == param
-    assert "127.0.0" not in error["message"]
+    assert POD_ADDRESS_PREFIX not in error["message"]
 
 
 async def test_no_ready_pods_is_503(cluster: tuple[SimCluster, int]) -> None:
@@ -262,7 +267,7 @@ def fragile_cluster(tmp_path: Path) -> Iterator[tuple[SimCluster, int]]:
     master = MooncakeMaster(log_path=tmp_path / "mooncake-master.log").start()
     sim = SimCluster(master, tmp_path)
     specs = [
-        SimPodSpec(name=f"{g}-{r}", ip=f"127.0.0.{base + i}", role=r, group=g,
+        SimPodSpec(name=f"{g}-{r}", ip=f"{FRAGILE_NET}.{base + i}", role=r, group=g,
                    labels={"app": "fragile", "group": g, "role": r})
         for g, base in (("g0", 51), ("g1", 61))
         for i, r in enumerate(("prefill", "decode"))

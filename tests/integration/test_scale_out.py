@@ -43,6 +43,7 @@ from tests.integration.harness import (
     SimCluster,
     SimPodSpec,
     free_port,
+    loopback_net,
     metric_values,
     pd_server_manifests,
     pod_manifest,
@@ -51,7 +52,10 @@ from tests.integration.harness import (
 )
 
 MODEL = "sim-scale-model"
-GROUPS = {"g0": ("127.0.0.61", "127.0.0.62"), "g1": ("127.0.0.71", "127.0.0.72")}
+NET = loopback_net()
+GROUPS = {"g0": (f"{NET}.61", f"{NET}.62"), "g1": (f"{NET}.71", f"{NET}.72")}
+#: The precise-index test's own pods.
+PRECISE_NET = loopback_net()
 DECODE_PODS = {f"default/{g}-decode" for g in GROUPS}
 #: Streams held open at once (each keeps one decode pod busy for ~STREAM_TOKENS x ITL).
 STREAMS = 8
@@ -358,7 +362,7 @@ async def test_precise_index_is_the_same_in_two_routers_without_any_sync(
     traffic they hold the same number of blocks, and a prompt asked of either lands on a
     pod holding as much of it as the other's pick did (exactly the engine's cached tokens)."""
     async with _PodsOnly(
-        tmp_path, groups=3, subnet="127.0.93", prefill_flags=prefill_flags(),
+        tmp_path, groups=3, subnet=PRECISE_NET, prefill_flags=prefill_flags(),
         decode_flags=DECODE_FLAGS, policy="precise-prefix-cache",
         mooncake=(mooncake_master.rpc_address, mooncake_master.metadata_url),
     ) as cluster:

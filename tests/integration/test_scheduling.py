@@ -36,7 +36,7 @@ from benchmarks.sched_policies import (
 )
 from engine_sim.kvstore import mooncake_import_error
 from router.scheduling.kv_events import PodEventStream, scope_of
-from tests.integration.harness import metric_values
+from tests.integration.harness import loopback_net, metric_values
 
 pytestmark = pytest.mark.integration
 
@@ -50,7 +50,7 @@ async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Pol
     if reason is not None:
         pytest.skip(f"Mooncake store unavailable: {reason}")
     async with PolicyCluster(
-        tmp_path_factory.mktemp("scheduling"), groups=3, subnet="127.0.91",
+        tmp_path_factory.mktemp("scheduling"), groups=3, subnet=loopback_net(),
         prefill_flags=prefill_flags(), decode_flags=DECODE_FLAGS,
     ) as made:
         # Warm connections, caches and the running mean of prefill time (own salt).

@@ -24,7 +24,7 @@ import openai
 import pytest
 from aiohttp import web
 
-from tests.integration.harness import SimCluster, free_port, pod_manifest, write_yaml
+from tests.integration.harness import SimCluster, free_port, loopback_net, pod_manifest, write_yaml
 from tests.integration.harness import SimPodSpec as PodSpec
 from tests.integration.test_faults_kit import (
     FaultCluster,
@@ -44,7 +44,7 @@ MODEL = "sim-secure-model"
 FAKE = "fake-model"
 FAKE_AUTH = "fake-auth-model"
 KEYS = ("key-one-1111", "key-two-2222")
-FAKE_IP = "127.0.0.119"
+FAKE_IP = f"{loopback_net()}.19"
 
 
 # --- redis ----------------------------------------------------------------------------
@@ -220,7 +220,7 @@ def secured(
     mooncake_master: object, tmp_path_factory: pytest.TempPathFactory,
     fake_engine: FakeEngine, redis_server: RedisServer,
 ) -> Iterator[tuple[FaultCluster, Router, Path]]:
-    specs = pd_specs("secure", 111)
+    specs = pd_specs("secure")
     port = free_port([s.ip for s in specs])
     cluster = FaultCluster(SimCluster(mooncake_master, tmp_path_factory.mktemp("secure")),
                            port, specs)

@@ -33,7 +33,7 @@ STATUSES: Counter[int] = Counter()
 @pytest.fixture(scope="module")
 def schema_router(mooncake_master: object, tmp_path_factory: pytest.TempPathFactory
                   ) -> Iterator[Router]:
-    specs = pd_specs("schema", 141)
+    specs = pd_specs("schema")
     port = free_port([s.ip for s in specs])
     cluster = FaultCluster(SimCluster(mooncake_master, tmp_path_factory.mktemp("schema")),
                            port, specs)

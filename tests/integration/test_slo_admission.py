@@ -24,6 +24,7 @@ from benchmarks.sched_policies import MODEL, PolicyCluster
 from benchmarks.words import single_token_words
 from engine_sim.kvstore import mooncake_import_error
 from router.scheduling.config import parse_scheduler_config
+from tests.integration.harness import loopback_net
 
 pytestmark = pytest.mark.integration
 
@@ -43,7 +44,7 @@ async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Pol
         pytest.skip(f"Mooncake store unavailable: {reason}")
     flags = ("--max-num-seqs", "1", "--prefill-per-token-ms", "2", "--itl-ms", "2")
     async with PolicyCluster(
-        tmp_path_factory.mktemp("slo"), groups=1, subnet="127.0.93",
+        tmp_path_factory.mktemp("slo"), groups=1, subnet=loopback_net(),
         prefill_flags=flags, decode_flags=("--itl-ms", "2"),
     ) as made:
         path = made.scheduler_file

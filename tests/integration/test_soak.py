@@ -60,7 +60,7 @@ KILLED = "g1-decode"
 @pytest.fixture(scope="module")
 def soak_cluster(mooncake_master: object, tmp_path_factory: pytest.TempPathFactory
                  ) -> Iterator[tuple[FaultCluster, Router]]:
-    specs = pd_specs("soak", 91)
+    specs = pd_specs("soak")
     port = free_port([s.ip for s in specs])
     cluster = FaultCluster(SimCluster(mooncake_master, tmp_path_factory.mktemp("soak")),
                            port, specs)

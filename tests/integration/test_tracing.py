@@ -26,6 +26,7 @@ from tests.integration.harness import (
     SimPodSpec,
     free_port,
     get_json,
+    loopback_net,
     pod_manifest,
     write_yaml,
 )
@@ -37,10 +38,11 @@ trace_service = pytest.importorskip(
 pytestmark = pytest.mark.integration
 
 MODEL = "sim-trace-model"
+NET = loopback_net()
 SPECS = [
-    SimPodSpec("t-prefill", "127.0.0.171", "prefill", "g0",
+    SimPodSpec("t-prefill", f"{NET}.11", "prefill", "g0",
                {"app": "trace", "group": "g0", "role": "prefill"}),
-    SimPodSpec("t-decode", "127.0.0.172", "decode", "g0",
+    SimPodSpec("t-decode", f"{NET}.12", "decode", "g0",
                {"app": "trace", "group": "g0", "role": "decode"}),
 ]
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"

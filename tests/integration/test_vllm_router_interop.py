@@ -27,7 +27,14 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from engine_sim.generation import expected_text
-from tests.integration.harness import Process, SimCluster, SimPodSpec, free_port, get_json
+from tests.integration.harness import (
+    Process,
+    SimCluster,
+    SimPodSpec,
+    free_port,
+    get_json,
+    loopback_net,
+)
 from tests.sim_tokens import chat_ids, prompt_ids
 
 pytestmark = pytest.mark.integration
@@ -35,8 +42,9 @@ pytestmark = pytest.mark.integration
 MODEL = "sim-interop-model"
 VLLM_ROUTER_VERSION = "0.1.17"
 ROUTER_READY_TIMEOUT_S = 60.0
-PREFILLS = ("127.0.74.1", "127.0.74.2")
-DECODES = ("127.0.74.11", "127.0.74.12")
+NET = loopback_net()
+PREFILLS = (f"{NET}.1", f"{NET}.2")
+DECODES = (f"{NET}.11", f"{NET}.12")
 LONG_PROMPT = "Tell me a story about rivers and mountains. " * 12  # several full KV blocks
 
 

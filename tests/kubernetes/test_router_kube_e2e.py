@@ -26,16 +26,17 @@ from engine_sim.generation import expected_text
 from router.app import PDGateApp
 from router.sources.kubernetes import KubernetesSource
 from router.state import AppState, RouterConfig
-from tests.integration.harness import SimCluster, SimPodSpec, free_port
+from tests.integration.harness import SimCluster, SimPodSpec, free_port, loopback_net
 from tests.sim_tokens import chat_ids
 
 MODEL = "deepseek_v4"
 SERVER = "deepseekv4-pd"
+NET = loopback_net()
 PODS = {  # name: (ip, role, group)
-    "pd-g0-prefill": ("127.0.0.71", "prefill", "g0"),
-    "pd-g0-decode": ("127.0.0.72", "decode", "g0"),
-    "pd-g1-prefill": ("127.0.0.81", "prefill", "g1"),
-    "pd-g1-decode": ("127.0.0.82", "decode", "g1"),
+    "pd-g0-prefill": (f"{NET}.71", "prefill", "g0"),
+    "pd-g0-decode": (f"{NET}.72", "decode", "g0"),
+    "pd-g1-prefill": (f"{NET}.81", "prefill", "g1"),
+    "pd-g1-decode": (f"{NET}.82", "decode", "g1"),
 }
 
 

@@ -47,6 +47,7 @@ import orjson
 import uvicorn
 import yaml
 
+from benchmarks.cluster import loopback_net
 from benchmarks.words import sim_tokenizer, single_token_words
 from engine_sim.ports import common_free_port as free_port
 from engine_sim.prompts import DEFAULT_CHAT_TEMPLATE, DEFAULT_TOKENIZER
@@ -66,6 +67,8 @@ API_VERSION: Final = "networking.serving.volcano.sh/v1alpha1"
 BLOCK_SIZE: Final = 16
 CHAT_PATH: Final = "/v1/chat/completions"
 STARTUP_TIMEOUT_S: Final = 60.0
+#: `loopback_net` salt of a policy cluster's pods (a `SimCluster` of the same run uses 0).
+POLICY_NET_SALT: Final = 75
 # -- workloads ------------------------------------------------------------------------------------
 
 
@@ -311,7 +314,7 @@ class PolicyCluster:
         workdir: Path,
         *,
         groups: int = 3,
-        subnet: str = "127.0.92",
+        subnet: str | None = None,
         prefill_flags: Sequence[str] = (),
         decode_flags: Sequence[str] = (),
         mooncake: tuple[str, str] | None = None,
@@ -320,6 +323,8 @@ class PolicyCluster:
         self.workdir = workdir
         self.config_dir = workdir / "config"
         self.scheduler_file = workdir / "scheduler.yaml"
+        # Its own net (spread by pid, another salt than `SimCluster`'s): runs rarely meet.
+        subnet = subnet or f"127.0.{loopback_net(salt=POLICY_NET_SALT)}"
         self.pods = [
             PodPlan(f"g{g}-{role}", f"{subnet}.{10 * g + 11 + r}", role, f"g{g}")
             for g in range(groups)

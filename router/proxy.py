@@ -14,7 +14,7 @@ the error that prompted it. After the first byte a failure, or a stream that end
 `[DONE]`, ends the stream with an OpenAI error event and `[DONE]`, never a second,
 spliced answer. `trafficPolicy.timeout` bounds the whole request. Failures that blame a
 pod feed outlier ejection; a route's `rateLimit` is checked before any pod is picked and
-charged the answer's real output tokens after it.
+charged the answer's real output tokens as it ends (before its last byte goes out).
 """
 
 from __future__ import annotations
@@ -156,6 +156,7 @@ class Attempt:
     track_usage: bool = False  # the route limits output tokens: read the answer's usage
     usage: StreamUsage | None = None  # the stream's usage watcher (track_usage only)
     output_tokens: int = 0  # a non-streaming answer's completion tokens (track_usage only)
+    settled: bool = False  # the output tokens were charged (`Proxy._settle`)
     waiting_on: Endpoint | None = None  # the pod whose answer is awaited (blamed on timeout)
     first_lap: str = "first_token"  # the TTFT phase the first content closes (timing.py)
     pick: Pick | None = None  # the pair of the latest attempt
@@ -296,10 +297,19 @@ class Proxy:
             await out.end(exc, request_id)
         finally:
             budget.requests -= 1
-            if track_usage and self.limiter is not None:
-                usage = attempt.usage
-                tokens = usage.charged if usage is not None else attempt.output_tokens
-                self.limiter.settle_output(route, tokens)
+            self._settle(attempt)
+
+    def _settle(self, attempt: Attempt) -> None:
+        """Charge the answer's output tokens to its route's limit, once. An answer that
+        completes is charged just before its last byte goes out, so a client that sends its
+        next request the moment it has read this one's end finds the charge made; any other
+        ends when the request does."""
+        if attempt.settled or not attempt.track_usage or self.limiter is None:
+            return
+        attempt.settled = True
+        usage = attempt.usage
+        tokens = usage.charged if usage is not None else attempt.output_tokens
+        self.limiter.settle_output(attempt.decision.route, tokens)
 
     async def _count_tokens(self, server: ServerPods, parsed: ParsedRequest) -> None:
         """The prompt's tokens by the server's tokenizer, once per request (rate limits);
@@ -610,6 +620,7 @@ class Proxy:
                 ) from None
             if attempt.track_usage:
                 attempt.output_tokens = body_completion_tokens(raw) or 0
+                self._settle(attempt)
             await out.start(response.status, headers)
             await out.body(raw)
             return
@@ -619,8 +630,9 @@ class Proxy:
             if attempt.track_usage:
                 attempt.usage = usage
         responses = parsed.endpoint is not None and parsed.endpoint.stream_end == "responses"
+        settle = (lambda: self._settle(attempt)) if attempt.track_usage else None
         relay = StreamRelay(self.metrics, parsed.model, out.clock, attempt.first_lap, usage,
-                            responses)
+                            responses, on_end=settle)
         try:
             # Through this task until the response has started; then, on the edge's direct
             # path, by callback from the upstream connection (router/relay.py).
@@ -632,8 +644,12 @@ class Proxy:
                     await out.start(response.status, headers)
                 if out.finished:
                     continue  # after [DONE]: nothing is left to send (the loop reads to EOF)
-                await out.body(*step)
-                relay.sent(step[0])
+                if step[1]:
+                    await out.body(*step)
+                    relay.sent(step[0])
+                else:  # the response's last write: the stream's end is settled first
+                    relay.last_step(step[0])
+                    await out.body(*step)
                 if out.direct is not None and not out.finished:
                     await relay.run(response, out, out.direct.flow)
                     break
@@ -645,6 +661,7 @@ class Proxy:
                     "disconnect", "The engine dropped the stream.", retryable=True,
                     pod=pick.decode, phase="decode",
                 ) from None
+            relay.finish(complete=False)
             await self._cut_short(pick, out, "disconnect", "The engine dropped the stream.")
             return
         if usage is not None and (tail := usage.finish()) and not out.finished:
@@ -657,14 +674,12 @@ class Proxy:
                 retryable=True, pod=pick.decode, phase="decode",
             )
         if not relay.complete:
+            relay.finish(complete=False)
             await self._cut_short(pick, out, "truncated", "The engine ended the stream early.")
             return
         if not out.finished:
+            relay.finish(complete=True)
             await out.body(b"")
-        tokens = usage.tokens if usage is not None else None
-        if tokens is not None and tokens > 1 and relay.last_at > relay.first_at:
-            self.metrics.output_rate(parsed.model,
-                                     (tokens - 1) / (relay.last_at - relay.first_at))
 
     async def _cut_short(self, pick: Pick, out: Responder, reason: str, message: str) -> None:
         """End a stream the engine broke off: an error event (and `[DONE]` where the API

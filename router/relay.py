@@ -15,6 +15,7 @@ client drains, so at most one upstream read sits in the client's buffer beyond t
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 from router.histogram import LoopHistogramChild
@@ -47,15 +48,18 @@ class _Writer(Protocol):
 class StreamRelay:
     """One stream's relay state (see the module docstring)."""
 
-    __slots__ = ("_clock", "_first_lap", "_metrics", "_model", "end", "ended", "failure",
-                 "first_at", "itl", "last_at", "responses", "usage")
+    __slots__ = ("_clock", "_finished", "_first_lap", "_metrics", "_model", "_on_end", "end",
+                 "ended", "failure", "first_at", "itl", "last_at", "responses", "usage")
 
     def __init__(self, metrics: RouterMetrics, model: str, clock: Timeline, first_lap: str,
-                 usage: StreamUsage | None, responses: bool) -> None:
+                 usage: StreamUsage | None, responses: bool,
+                 on_end: Callable[[], None] | None = None) -> None:
         self._metrics = metrics
         self._model = model
         self._clock = clock
         self._first_lap = first_lap
+        self._on_end = on_end  # the caller's part of `finish` (charging output tokens)
+        self._finished = False
         self.usage = usage
         self.responses = responses  # a Responses API stream: it ends with RESPONSE_ENDS
         self.end = b""  # the stream's last bytes
@@ -103,6 +107,26 @@ class StreamRelay:
             itl.observe(now - self.last_at)
             self.last_at = now
 
+    def last_step(self, chunk: bytes) -> None:
+        """The step that ends the response (`take` said no more follow) is about to be
+        written: time it and `finish` first. Whatever the stream's end settles is done
+        before the client can read that end and ask again, or scrape `/metrics`."""
+        self.sent(chunk)
+        self.finish(complete=True)
+
+    def finish(self, complete: bool) -> None:
+        """The stream ends (once; before its last bytes go out): the output rate of a
+        stream that ended as its protocol ends one, then the caller's `on_end`."""
+        if self._finished:
+            return
+        self._finished = True
+        tokens = self.usage.tokens if self.usage is not None else None
+        if complete and tokens is not None and tokens > 1 and self.last_at > self.first_at:
+            self._metrics.output_rate(self._model,
+                                      (tokens - 1) / (self.last_at - self.first_at))
+        if self._on_end is not None:
+            self._on_end()
+
     async def run(self, response: Response, out: _Writer, paused: _Paused) -> None:
         """Relay the rest of the body through `on_data` (the direct write path only).
 
@@ -114,8 +138,12 @@ class StreamRelay:
                 step = self.take(chunk)
                 if step is None or out.finished:
                     return  # nothing whole yet, or after [DONE] (read to EOF, send nothing)
-                out.write_now(*step)
-                self.sent(step[0])
+                if step[1]:
+                    out.write_now(*step)
+                    self.sent(step[0])
+                else:
+                    self.last_step(step[0])
+                    out.write_now(*step)
             except Exception as exc:  # surfaced by the task, not by the upstream socket
                 self.failure = exc
                 response.hold()

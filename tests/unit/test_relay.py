@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry
 from router.http_client import Pool
 from router.metrics import RouterMetrics
 from router.relay import StreamRelay
+from router.security.usage import StreamUsage
 from router.timing import Timeline
 
 EVENTS = 2000
@@ -96,3 +97,62 @@ async def test_relay_pauses_upstream_while_the_client_is_full(port: int) -> None
     assert relay.itl is not None  # content was timed
     response.release()
     await pool.close()
+
+
+USAGE_EVENT = b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":%d}}\n\n'
+
+
+async def _serve_with_usage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Four content events, one read each, then the usage event and [DONE] in one chunk."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+    await reader.readexactly(length)
+    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                 b"transfer-encoding: chunked\r\n\r\n")
+    for _ in range(4):
+        writer.write(b"%x\r\n%b\r\n" % (len(EVENT), EVENT))
+        await writer.drain()
+        await asyncio.sleep(0.01)
+    tail = USAGE_EVENT % 4 + b"data: [DONE]\n\n"
+    writer.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(tail), tail))
+    await writer.drain()
+    await reader.read(1)
+    writer.close()
+
+
+async def test_the_stream_end_is_settled_before_its_last_bytes_go_out() -> None:
+    """The output-token charge (`on_end`) and the output-rate histogram are done before
+    the write that ends the response: a client that reads the end and at once sends its
+    next request, or scrapes /metrics, must find them (a fresh clone's suite once saw the
+    next request admitted past its route's output-token limit)."""
+    server = await asyncio.start_server(_serve_with_usage, "127.0.0.1", 0)
+    pool = Pool(4, 4, 4.0, 2.0)
+    registry = CollectorRegistry()
+    metrics = RouterMetrics(registry)
+    rates = "pdgate_output_tokens_per_second_count"
+    async with server:
+        port = server.sockets[0].getsockname()[1]
+        head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n"
+        response = await pool.request("http", "127.0.0.1", port, head, b"{}")
+        flow = Flow()
+        out = Writer(flow)
+        seen_at_end: list[tuple[int, float | None]] = []
+        relay = StreamRelay(
+            metrics, "m", Timeline(), "first_token", StreamUsage(hide=True), False,
+            on_end=lambda: seen_at_end.append(
+                (len(out.writes), registry.get_sample_value(rates, {"model": "m"}))),
+        )
+        task = asyncio.ensure_future(relay.run(response, out, flow))
+        while not task.done():  # the client keeps up
+            await asyncio.sleep(0.005)
+            flow.write_paused = False
+            flow.drained.set()
+        await task
+        response.release()
+    await pool.close()
+    body = b"".join(data for data, _ in out.writes)
+    assert body == EVENT * 4 + b"data: [DONE]\n\n"  # the usage event hidden
+    assert relay.usage is not None and relay.usage.charged == 4
+    assert out.writes[-1][1] is False
+    # Called once, when every write but the last one had gone out, the rate already there.
+    assert seen_at_end == [(len(out.writes) - 1, 1.0)]

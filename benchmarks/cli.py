@@ -125,9 +125,12 @@ def _method(config: BenchConfig) -> list[str]:
         f"of the fastest router's max at c=64, {config.sweep.seconds:g} s per level and "
         "router; "
         "arrivals beyond 512 in flight are shed and counted as `client_overload` errors.",
-        f"- Overload: open-loop Poisson at "
-        f"{', '.join(f'{m:g}x' for m in config.overload.multiples)} of pdgate's own max at "
-        f"c=64 (median of its rounds), {config.overload.seconds:g} s per level and router, "
+        f"- Overload: the load generator on a core of its own, routers and pods on the "
+        f"other(s) (`benchmarks/pinning.py`); each router's max at "
+        f"c={config.overhead.throughput_concurrency} measured first under those pins "
+        f"({config.overload.max_rounds} interleaved rounds), then open-loop Poisson at "
+        f"{', '.join(f'{m:g}x' for m in config.overload.multiples)} of pdgate's (median), "
+        f"{config.overload.seconds:g} s per level and router, "
         f"modes {', '.join(config.overload.modes)}.",
         f"- Streaming: {config.streaming.output_tokens}-token streams "
         f"{config.streaming.itl_ms:g} ms apart from {config.streaming.agg_pods} aggregated "

@@ -46,13 +46,18 @@ class SweepConfig:
 
 @dataclass(frozen=True, slots=True)
 class OverloadConfig:
-    """Past saturation: open-loop Poisson at multiples of pdgate's own closed-loop maximum
-    (median of its overhead rounds), every router at the same rates, interleaved. Goodput
-    (successful requests per second) is reported as a share of that maximum."""
+    """Past saturation: open-loop Poisson at multiples of pdgate's own closed-loop maximum,
+    every router at the same rates, interleaved. The phase runs with the load generator on
+    a core of its own (`benchmarks.pinning`) and first measures every router's maximum at
+    the overhead phase's throughput concurrency under those pins, `max_rounds` interleaved
+    rounds (pdgate's median is the reference). Goodput (successful requests per second) is
+    reported as a share of that maximum, and CPU per success against the router's own at
+    its maximum."""
 
     multiples: tuple[float, ...]
     seconds: float
     modes: tuple[str, ...]
+    max_rounds: int = 2
 
 
 @dataclass(frozen=True, slots=True)

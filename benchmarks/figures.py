@@ -54,10 +54,16 @@ class OverloadPoint:
     requests: int
     cpu_per_1k: float | None  # router CPU per 1,000 successful requests
     e2e_p99: float | None  # of the successful requests
+    max_cpu_per_1k: float | None = None  # the same router's at its maximum (same pins)
 
     @property
     def share(self) -> float:
         return self.goodput / self.reference if self.reference else 0.0
+
+    @property
+    def cpu_rise(self) -> float | None:
+        """CPU per success here against the router's own at its maximum."""
+        return ratio(self.cpu_per_1k, self.max_cpu_per_1k)
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +183,10 @@ def sweep_points(runs: Sequence[RunRecord]) -> list[SweepPoint]:
 
 
 def overload_points(runs: Sequence[RunRecord]) -> list[OverloadPoint]:
+    at_max: dict[tuple[str, str], list[float]] = {}
+    for r in runs:
+        if r.phase == "overload-max" and r.cpu_per_1k is not None:
+            at_max.setdefault((r.mode, r.router), []).append(r.cpu_per_1k)
     points = []
     for r in runs:
         if r.phase != "overload" or not r.reference_rate:
@@ -190,6 +200,7 @@ def overload_points(runs: Sequence[RunRecord]) -> list[OverloadPoint]:
             goodput=s.throughput, shed=shed, timeouts=timeouts,
             other_errors=s.requests - s.ok - shed - timeouts, requests=s.requests,
             cpu_per_1k=r.cpu_per_1k, e2e_p99=s.e2e_p99,
+            max_cpu_per_1k=median(at_max.get((r.mode, r.router), [])) or None,
         ))  # fmt: skip
     return points
 

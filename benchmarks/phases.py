@@ -25,6 +25,7 @@ from typing import Protocol
 from benchmarks.cluster import MODEL, ClusterShape, Mode, SimCluster, total_prefix_counters
 from benchmarks.config import BenchConfig
 from benchmarks.loadgen import LoadLimits, LoadResult, run_closed, run_open
+from benchmarks.pinning import GeneratorCore
 from benchmarks.procs import StartupError
 from benchmarks.results import RouterResources, RunRecord
 from benchmarks.routers import RouterSpec, RunningRouter
@@ -235,10 +236,30 @@ class Bench:
     async def _overload(
         self, mode: Mode, cluster: SimCluster, routers: list[RunningRouter], workload: Workload
     ) -> None:
-        """Open loop at multiples of pdgate's own maximum (see `OverloadConfig`)."""
+        """Open loop at multiples of pdgate's own maximum, measured first under the same
+        pins: the load generator on a core of its own (`pinning.py`, `OverloadConfig`)."""
+        routers = [r for r in routers if r.spec.kind != "direct"]
+        with GeneratorCore() as pins:
+            log.info("overload %s: %s", mode, pins.describe())
+            await self._overload_levels(mode, cluster, routers, workload)
+
+    async def _overload_levels(
+        self, mode: Mode, cluster: SimCluster, routers: list[RunningRouter], workload: Workload
+    ) -> None:
         cfg = self.config.overload
+        concurrency = self.config.overhead.throughput_concurrency
+        for round_index in range(cfg.max_rounds):
+            for router in routers if round_index % 2 == 0 else routers[::-1]:
+                if self._out_of_time(f"overload {mode} maximum"):
+                    return
+                await self._measure(
+                    router, cluster,
+                    self._record("overload-max", mode, router, workload, round_index,
+                                 concurrency),
+                    workload.sessions, self._limits(cfg.seconds),
+                )  # fmt: skip
         pdgate = median([r.summary.throughput for r in self.runs
-                         if r.phase == "overhead-throughput" and r.mode == mode
+                         if r.phase == "overload-max" and r.mode == mode
                          and r.kind == "pdgate"])
         if not pdgate:
             self.skipped.append(f"overload {mode}: no pdgate maximum measured")
@@ -248,8 +269,6 @@ class Bench:
             count = min(len(workload.sessions), int(rate * cfg.seconds * 1.5) + 16)
             order = routers if level % 2 == 0 else routers[::-1]
             for router in order:
-                if router.spec.kind == "direct":
-                    continue
                 if self._out_of_time(f"overload {mode} x{multiple:g}"):
                     return
                 record = self._record("overload", mode, router, workload, level, None)
@@ -371,7 +390,8 @@ def planned_runs(config: BenchConfig, lineup: Lineup) -> int:
         if mode in config.sweep.modes:
             total += count * len(config.sweep.fractions)
         if mode in config.overload.modes:
-            total += count * len(config.overload.multiples)
+            routed = sum(1 for s in specs if s.supports(mode) and s.kind != "direct")
+            total += routed * (config.overload.max_rounds + len(config.overload.multiples))
         if mode in config.streaming.modes:
             total += count * len(config.streaming.concurrencies)
     for mode, specs in lineup.scheduling.items():

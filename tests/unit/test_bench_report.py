@@ -117,3 +117,23 @@ def test_raw_json_round_trips(tmp_path: Path) -> None:
     meta, again, resources = read_raw(path)
     assert meta == {"date": "d"} and resources == RESOURCES
     assert [r.header() for r in again] == [r.header() for r in runs]
+
+
+def test_overload_points_compare_cpu_with_the_routers_own_maximum() -> None:
+    runs = []
+    for kind, name, cpu_max, cpu_over in (("pdgate", "pdgate", 0.10, 0.13),
+                                          ("vllm-router", "vllm-router (round_robin)", 0.08, 0.08)):
+        for round_index in range(2):
+            runs.append(RunRecord("overload-max", "agg", name, kind, None, "overhead",
+                                  round_index, 64, wall=1.0, results=_results(1.0, count=100),
+                                  router_cpu_s=cpu_max))
+        runs.append(RunRecord("overload", "agg", name, kind, None, "overhead", 0, None,
+                              offered_rate=150.0, reference_rate=100.0, wall=1.0,
+                              results=_results(1.0, count=90), router_cpu_s=cpu_over * 0.9))
+    points = {p.kind: p for p in figures.overload_points(runs)}
+    assert points["pdgate"].share == pytest.approx(0.9)
+    assert points["pdgate"].multiple == pytest.approx(1.5)
+    assert points["pdgate"].cpu_rise == pytest.approx(1.3)  # 1.3 ms per success against 1.0
+    assert points["vllm-router"].cpu_rise == pytest.approx(1.0)
+    text = "\n".join(report._overload_section(list(points.values())))
+    assert "CPU vs at max" in text and "1.30x" in text

@@ -24,12 +24,17 @@ EVENTS = 2000
 EVENT = b'data: {"choices":[{"index":0,"delta":{"content":"token"}}]}\n\n'
 
 
-async def _serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+async def _start_stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Read the request, write the head of a chunked SSE response."""
     head = await reader.readuntil(b"\r\n\r\n")
     length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
     await reader.readexactly(length)
     writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
                  b"transfer-encoding: chunked\r\n\r\n")
+
+
+async def _serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    await _start_stream(reader, writer)
     for _ in range(EVENTS):
         writer.write(b"%x\r\n%b\r\n" % (len(EVENT), EVENT))
     done = b"data: [DONE]\n\n"
@@ -104,11 +109,7 @@ USAGE_EVENT = b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_token
 
 async def _serve_with_usage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     """Four content events, one read each, then the usage event and [DONE] in one chunk."""
-    head = await reader.readuntil(b"\r\n\r\n")
-    length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
-    await reader.readexactly(length)
-    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                 b"transfer-encoding: chunked\r\n\r\n")
+    await _start_stream(reader, writer)
     for _ in range(4):
         writer.write(b"%x\r\n%b\r\n" % (len(EVENT), EVENT))
         await writer.drain()

@@ -32,6 +32,9 @@ class OverheadConfig:
     agg_pods: int
     pd_groups: int
     params: OverheadParams
+    #: Per round and router: requests one after another from a sequential client
+    #: (`benchmarks.sequential`), for the added latency at concurrency 1.
+    sequential_requests: int = 600
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +142,7 @@ def quick(seed: int = 0) -> BenchConfig:
             idle_seconds=1.0,
             agg_pods=2,
             pd_groups=1,
+            sequential_requests=150,
             params=OverheadParams(requests=8000),
         ),
         sweep=SweepConfig(fractions=(0.4, 0.8, 1.2), seconds=1.5, modes=("pd",)),

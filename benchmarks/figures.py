@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from benchmarks.results import RouterResources, RunRecord
-from benchmarks.stats import Summary, median, percentile, ratio
+from benchmarks.stats import Summary, median, minus, percentile, ratio
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +26,9 @@ class OverheadRow:
     idle_cpu_pct: float | None  # % of one core with no traffic
     requests: int
     errors: int
+    #: Concurrency 1 from the sequential client: added over direct's, p50 / p99 (pooled).
+    c1_added_p50: float | None = None
+    c1_added_p99: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,14 +155,20 @@ def overhead_rows(
         direct_e2e, _, _ = _pooled(r for r in mine if r.kind == "direct" and
                                    r.phase == "overhead-latency")
         d50, d99 = percentile(direct_e2e, 50), percentile(direct_e2e, 99)
+        direct_c1, _, _ = _pooled(r for r in mine if r.kind == "direct" and
+                                  r.phase == "overhead-c1")
+        c1_d50, c1_d99 = percentile(direct_c1, 50), percentile(direct_c1, 99)
         for router in _ordered(r.router for r in mine):
             latency = [r for r in mine if r.router == router and r.phase == "overhead-latency"]
             throughput = [r for r in mine
                           if r.router == router and r.phase == "overhead-throughput"]
-            _, requests, errors = _pooled(latency + throughput)
+            sequential = [r for r in mine if r.router == router and r.phase == "overhead-c1"]
+            _, requests, errors = _pooled(latency + throughput + sequential)
             lat_e2e, _, _ = _pooled(latency)
             p50, p99 = percentile(lat_e2e, 50), percentile(lat_e2e, 99)
             rounds = tuple(r.summary.throughput for r in throughput)
+            c1_e2e, _, _ = _pooled(sequential)
+            c1_50, c1_99 = percentile(c1_e2e, 50), percentile(c1_e2e, 99)
             kind = mine[[r.router for r in mine].index(router)].kind
             rows.append(OverheadRow(
                 mode=mode, router=router, kind=kind, e2e_p50=p50, e2e_p99=p99,
@@ -170,6 +179,7 @@ def overhead_rows(
                 peak_rss_mib=_peak(resources, router, mode, "overhead"),
                 idle_cpu_pct=_idle(resources, router, mode),
                 requests=requests, errors=errors,
+                c1_added_p50=minus(c1_50, c1_d50), c1_added_p99=minus(c1_99, c1_d99),
             ))  # fmt: skip
     return rows
 

@@ -29,7 +29,8 @@ from benchmarks.pinning import GeneratorCore
 from benchmarks.procs import StartupError
 from benchmarks.results import RouterResources, RunRecord
 from benchmarks.routers import RouterSpec, RunningRouter
-from benchmarks.specs import Session
+from benchmarks.sequential import run_sequential
+from benchmarks.specs import RequestSpec, Session
 from benchmarks.stats import median
 from benchmarks.workloads import (
     OverheadParams,
@@ -128,6 +129,20 @@ class Bench:
         self.reporter.end()
         return record
 
+    async def _measure_sequential(
+        self, router: RunningRouter, record: RunRecord, specs: Sequence[RequestSpec]
+    ) -> None:
+        """Concurrency 1 from the sequential client (`benchmarks.sequential`)."""
+        self.reporter.begin(f"{record.phase} {record.mode} {record.router}")
+        cpu_before = router.cpu_seconds()
+        record.results, record.wall = await run_sequential(
+            router.target, specs, self.config.overhead.latency_seconds * 4)
+        cpu_after = router.cpu_seconds()
+        if cpu_before is not None and cpu_after is not None:
+            record.router_cpu_s = cpu_after - cpu_before
+        self.runs.append(record)
+        self.reporter.end()
+
     def _failed(self, label: str, exc: BaseException) -> None:
         first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         self.skipped.append(f"{label}: {first_line}")
@@ -177,6 +192,11 @@ class Bench:
                         self._record("overhead-throughput", mode, router, workload, round_index,
                                      cfg.throughput_concurrency),
                         sessions, self._limits(cfg.throughput_seconds),
+                    )  # fmt: skip
+                    await self._measure_sequential(
+                        router, self._record("overhead-c1", mode, router, workload, round_index, 1),
+                        [spec for session in sessions[: cfg.sequential_requests]
+                         for spec in session],
                     )  # fmt: skip
             if mode in self.config.sweep.modes:
                 await self._sweep(mode, cluster, started, workload)
@@ -386,7 +406,7 @@ def planned_runs(config: BenchConfig, lineup: Lineup) -> int:
     total = 0
     for mode, specs in lineup.overhead.items():
         count = sum(1 for s in specs if s.supports(mode))
-        total += 2 * count * config.overhead.rounds
+        total += 3 * count * config.overhead.rounds
         if mode in config.sweep.modes:
             total += count * len(config.sweep.fractions)
         if mode in config.overload.modes:

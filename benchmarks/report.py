@@ -13,7 +13,7 @@ from benchmarks.figures import (
     SweepPoint,
     best_pdgate,
 )
-from benchmarks.stats import ratio
+from benchmarks.stats import minus, ratio
 
 MODE_TITLE = {"agg": "non-PD (aggregated pods)", "pd": "PD (prefill/decode pairs, NIXL handles)"}
 
@@ -32,10 +32,6 @@ def _pct(value: float | None) -> str:
 
 def _x(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
-
-
-def _minus(a: float | None, b: float | None) -> float | None:
-    return None if a is None or b is None else a - b
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
@@ -135,9 +131,11 @@ def _headline_section(
         out.append(
             f"- Overhead, {MODE_TITLE.get(mode, mode)}: added latency over direct p50/p99 "
             f"pdgate {_ms(pd.added_p50)}/{_ms(pd.added_p99)} ms, vLLM Router "
-            f"{_ms(vl.added_p50)}/{_ms(vl.added_p99)} ms (pdgate minus vLLM Router, E2E "
-            f"p50/p99: {_ms(_minus(pd.e2e_p50, vl.e2e_p50))}/"
-            f"{_ms(_minus(pd.e2e_p99, vl.e2e_p99))} ms); max req/s at c=64 pdgate "
+            f"{_ms(vl.added_p50)}/{_ms(vl.added_p99)} ms, at concurrency 1 (sequential "
+            f"client) pdgate {_ms(pd.c1_added_p50)} ms, vLLM Router {_ms(vl.c1_added_p50)} ms "
+            f"p50 (pdgate minus vLLM Router, E2E "
+            f"p50/p99: {_ms(minus(pd.e2e_p50, vl.e2e_p50))}/"
+            f"{_ms(minus(pd.e2e_p99, vl.e2e_p99))} ms); max req/s at c=64 pdgate "
             f"{_num(pd.max_rps, 0)}, vLLM Router {_num(vl.max_rps, 0)} "
             f"(pdgate/vLLM Router {_x(ratio(pd.max_rps, vl.max_rps))}); CPU s/1k req "
             f"{_num(pd.cpu_per_1k, 2)} vs {_num(vl.cpu_per_1k, 2)}; peak RSS "
@@ -169,7 +167,9 @@ def _overhead_section(rows: Sequence[OverheadRow]) -> list[str]:
         "## Overhead (`overhead` workload, `--fast` engines)",
         "",
         "E2E latency at low concurrency (pooled over interleaved rounds), added latency over "
-        "the direct floor, and the maximum sustained requests/s at concurrency 64 (closed loop, "
+        "the direct floor, the added latency at concurrency 1 from a sequential client "
+        "(`benchmarks/sequential.py`, one keep-alive connection, blocking sockets; p50 / p99), "
+        "and the maximum sustained requests/s at concurrency 64 (closed loop, "
         "median of rounds). CPU is the router process tree's user+system seconds per 1,000 "
         "successful requests.",
         "",
@@ -180,9 +180,10 @@ def _overhead_section(rows: Sequence[OverheadRow]) -> list[str]:
         out += [f"### {MODE_TITLE.get(mode, mode)}", ""]
         out += _table(
             ["router", "E2E p50 ms", "E2E p99 ms", "added p50 ms", "added p99 ms",
-             "max req/s @64", "vs direct", "CPU s/1k req", "peak RSS MiB", "errors"],
+             "added @1 ms", "max req/s @64", "vs direct", "CPU s/1k req", "peak RSS MiB",
+             "errors"],
             [[r.router, _ms(r.e2e_p50), _ms(r.e2e_p99), _ms(r.added_p50), _ms(r.added_p99),
-              _num(r.max_rps, 0),
+              f"{_ms(r.c1_added_p50)} / {_ms(r.c1_added_p99)}", _num(r.max_rps, 0),
               _x(ratio(r.max_rps, direct.max_rps if direct else None)),
               _num(r.cpu_per_1k, 2), _num(r.peak_rss_mib), f"{r.errors}/{r.requests}"]
              for r in mine],
@@ -193,7 +194,8 @@ def _overhead_section(rows: Sequence[OverheadRow]) -> list[str]:
             out += [
                 "",
                 f"pdgate / vLLM Router: added latency p50 {_x(ratio(pd.added_p50, vl.added_p50))}"
-                f", p99 {_x(ratio(pd.added_p99, vl.added_p99))}; max req/s "
+                f", p99 {_x(ratio(pd.added_p99, vl.added_p99))}; at concurrency 1, pdgate "
+                f"{_ms(pd.c1_added_p50)} ms against {_ms(vl.c1_added_p50)} ms (p50); max req/s "
                 f"{_x(ratio(pd.max_rps, vl.max_rps))}; CPU per request "
                 f"{_x(ratio(pd.cpu_per_1k, vl.cpu_per_1k))}; peak RSS "
                 f"{_x(ratio(pd.peak_rss_mib, vl.peak_rss_mib))}.",

@@ -69,6 +69,11 @@ def summarize(results: Iterable[RequestResult], wall: float) -> Summary:
     )
 
 
+def minus(a: float | None, b: float | None) -> float | None:
+    """a - b, or None when either is missing."""
+    return None if a is None or b is None else a - b
+
+
 def ratio(a: float | None, b: float | None) -> float | None:
     """a / b, or None when either is missing or not positive (a ratio of a negative added
     latency, i.e. noise below the floor, means nothing)."""

@@ -137,3 +137,22 @@ def test_overload_points_compare_cpu_with_the_routers_own_maximum() -> None:
     assert points["vllm-router"].cpu_rise == pytest.approx(1.0)
     text = "\n".join(report._overload_section(list(points.values())))
     assert "CPU vs at max" in text and "1.30x" in text
+
+
+def test_added_latency_at_concurrency_1_is_over_directs_sequential_runs() -> None:
+    runs = _runs()
+    for kind, policy, e2e in (("direct", None, 0.3), ("pdgate", "prefix-cache", 0.55),
+                              ("vllm-router", "round_robin", 0.5)):
+        name = kind if policy is None else f"{kind} ({policy})"
+        runs.append(RunRecord("overhead-c1", "pd", name, kind, policy, "overhead", 0, 1,
+                              wall=1.0, results=_results(e2e, count=5)))
+    rows = {r.kind: r for r in figures.overhead_rows(runs, RESOURCES)}
+    # e2e (ms) of the five results: e, e+1, ..., e+4: p50 e+2, same offsets for every router
+    assert rows["pdgate"].c1_added_p50 == pytest.approx(0.25e-3)
+    assert rows["vllm-router"].c1_added_p50 == pytest.approx(0.2e-3)
+    assert rows["direct"].c1_added_p50 == pytest.approx(0.0)
+    assert rows["pdgate"].requests == sum(len(r.results) for r in runs
+                                          if r.router == "pdgate (prefix-cache)"
+                                          and r.phase.startswith("overhead"))
+    text = "\n".join(report._overhead_section(list(rows.values())))
+    assert "at concurrency 1, pdgate 0.25 ms against 0.20 ms" in text

@@ -3,14 +3,23 @@
 Both are bounded twice: by the sessions given (count) and by `time_limit` (no request
 starts after it); `request_timeout` bounds each request, so a run never lasts longer
 than `time_limit + request_timeout`. Every result is kept, errors by kind included.
+
+Every run is inside `frozen_heap`: what existed before it (by the overload phase, the
+results of earlier runs: hundreds of thousands of objects) is frozen out of the cyclic
+collector until the run ends, so that a full collection cannot pause the generator in the
+middle of a run. Measured on the pinned overload phase with 700,000 results held:
+goodput 0.76 / 0.82 of the maximum for pdgate and 0.86 / 0.86 for vLLM Router at 1.5x /
+3x; frozen, 0.94 / 0.93 and 0.90 / 0.96.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -45,6 +54,17 @@ class LoadResult:
     @property
     def wall(self) -> float:
         return max(0.0, self.ended - self.began)
+
+
+@contextlib.contextmanager
+def frozen_heap() -> Iterator[None]:
+    """Everything alive is out of the collector's reach until the block ends (the module
+    docstring says why); `gc.freeze` and `gc.unfreeze` only move lists, they walk nothing."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _session_factory(connections: int, limits: LoadLimits) -> aiohttp.ClientSession:
@@ -101,19 +121,20 @@ async def run_closed(
     """`concurrency` workers, each taking the next session when its last one is done."""
     load = LoadResult()
     queue = iter(range(len(sessions)))
-    async with _session_factory(max(1, concurrency), limits) as client:
-        load.began = time.perf_counter()
-        stop_at = load.began + limits.time_limit
+    with frozen_heap():
+        async with _session_factory(max(1, concurrency), limits) as client:
+            load.began = time.perf_counter()
+            stop_at = load.began + limits.time_limit
 
-        async def worker() -> None:
-            for index in queue:
-                if time.perf_counter() >= stop_at:
-                    return
-                await _one(target, client, sessions[index], load.began, limits, load.results,
-                           progress)
+            async def worker() -> None:
+                for index in queue:
+                    if time.perf_counter() >= stop_at:
+                        return
+                    await _one(target, client, sessions[index], load.began, limits,
+                               load.results, progress)
 
-        await asyncio.gather(*(worker() for _ in range(max(1, concurrency))))
-        load.ended = time.perf_counter()
+            await asyncio.gather(*(worker() for _ in range(max(1, concurrency))))
+            load.ended = time.perf_counter()
     return load
 
 
@@ -156,25 +177,27 @@ async def run_at(
     loop at given times: a trace's timestamps, or Poisson arrivals)."""
     load = LoadResult()
     tasks: set[asyncio.Task[None]] = set()
-    async with _session_factory(max_in_flight, limits) as client:
-        load.began = time.perf_counter()
-        for index, offset in enumerate(offsets[: len(sessions)]):
-            if offset >= limits.time_limit:
-                break
-            delay = load.began + offset - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            if len(tasks) >= max_in_flight:
-                _overload(sessions[index], load, offset, progress)
-                continue
-            task = asyncio.create_task(
-                _one(target, client, sessions[index], load.began, limits, load.results, progress)
-            )
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-        if tasks:
-            await asyncio.gather(*tasks)
-        load.ended = time.perf_counter()
+    with frozen_heap():
+        async with _session_factory(max_in_flight, limits) as client:
+            load.began = time.perf_counter()
+            for index, offset in enumerate(offsets[: len(sessions)]):
+                if offset >= limits.time_limit:
+                    break
+                delay = load.began + offset - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                if len(tasks) >= max_in_flight:
+                    _overload(sessions[index], load, offset, progress)
+                    continue
+                task = asyncio.create_task(
+                    _one(target, client, sessions[index], load.began, limits, load.results,
+                         progress)
+                )
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            if tasks:
+                await asyncio.gather(*tasks)
+            load.ended = time.perf_counter()
     return load
 
 

@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 
 import orjson
 
+from benchmarks.loadgen import frozen_heap
 from benchmarks.specs import RequestResult, RequestSpec
 from benchmarks.targets import PREFILL_KV_PARAMS, DirectPDTarget, HTTPTarget, Target
 
@@ -110,5 +111,6 @@ async def run_sequential(
 ) -> tuple[list[RequestResult], float]:
     """`specs` one after another (the module docstring); (results, wall seconds)."""
     began = time.perf_counter()
-    results = await asyncio.to_thread(_run, target, specs, time_limit)
+    with frozen_heap():
+        results = await asyncio.to_thread(_run, target, specs, time_limit)
     return results, time.perf_counter() - began

@@ -4,6 +4,7 @@ errors by kind, and the count/time bounds of both loops."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 from collections.abc import AsyncIterator
 
@@ -11,7 +12,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from benchmarks.loadgen import LoadLimits, run_closed, run_open
+from benchmarks.loadgen import LoadLimits, frozen_heap, run_closed, run_open
 from benchmarks.specs import RequestResult, RequestSpec
 from benchmarks.targets import DirectPDTarget, HTTPTarget
 
@@ -172,3 +173,11 @@ async def test_direct_pd_target_forwards_the_prefill_handle(server: str) -> None
     (result,) = load.results
     assert result.ok, result.error
     assert result.ttft is not None and result.ttft >= CONTENT_DELAY - 0.01
+
+
+def test_the_heap_is_frozen_during_a_run_and_thawed_after() -> None:
+    held = [[i] for i in range(1000)]  # objects alive before the run
+    before = gc.get_freeze_count()
+    with frozen_heap():
+        assert gc.get_freeze_count() >= before + len(held)
+    assert gc.get_freeze_count() == before

@@ -21,8 +21,8 @@ import psutil
 
 def _threads(pid: int) -> list[int]:
     try:
-        return [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
-    except OSError:
+        return [thread.id for thread in psutil.Process(pid).threads()]
+    except psutil.Error:
         return []
 
 

@@ -9,6 +9,9 @@ cancels prefill and decode upstream and releases the in-flight counters.
 Before the body is read a data request passes the drain check, the header limits and the
 API key; a router at its admission bound with a full queue answers 503 there, before any
 parsing; after parsing, admission control proper (on by default, see admission.py).
+`EarlyShed` makes that first 503 cheaper still: the connection layer asks it from the
+request's head, before uvicorn builds a scope or starts a task, and it answers when the
+same checks in the same order end in the same 503 (router/http/protocol.py).
 With an admin port, `/metrics`,
 the probes (`/health`, `/healthz`, `/readyz`) and the API's documents (`/docs`, `/redoc`,
 `/openapi.json`) move to a FastAPI app of their own (`build_ops_app`); without one, the
@@ -56,6 +59,8 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 DATA_PATHS = frozenset(ENDPOINTS)
+#: The same paths as the connection layer sees them (raw bytes, not percent-decoded).
+RAW_DATA_PATHS = frozenset(path.encode() for path in ENDPOINTS)
 #: Control-plane paths that need the API key when keys are set (`/v1/models` checks it
 #: itself): what the API looks like and how it is loaded is the clients' business only.
 #: The probes (`/health`, `/healthz`, `/readyz`) stay open for the kubelet and tools.
@@ -84,6 +89,35 @@ class _ModelIdConvertor(Convertor[str]):
 register_url_convertor("model_id", _ModelIdConvertor())
 
 
+class EarlyShed:
+    """The connection layer's `EarlyRefusal`: a data request that `_data` would shed
+    before parsing (saturated admission, past the drain check, the header limits and the
+    API key) is refused from its head. Anything else, including a request that fails one
+    of those checks, goes to `_data`, which answers it as always."""
+
+    def __init__(self, state: AppState) -> None:
+        self.state = state
+
+    def check(self, method: bytes, path: bytes, headers: list[tuple[bytes, bytes]]
+              ) -> APIError | None:
+        state = self.state
+        admission = state.resilience.admission
+        if (not admission.saturated() or method != b"POST" or path not in RAW_DATA_PATHS
+                or state.resilience.drain.draining):
+            return None
+        limits = state.security.config
+        try:
+            parsed = read_headers(headers, limits.max_headers, limits.max_header_bytes)
+            if state.security.api_keys is not None:
+                state.security.api_keys.check(parsed.get("authorization"))
+        except APIError:
+            return None
+        return admission.refuse_saturated()
+
+    def done(self, error: APIError, seconds: float) -> None:
+        self.state.metrics.request_done(NO_MODEL, error.status, seconds)
+
+
 class PDGateApp:
     """The ASGI entry point. Owns the lifespan; delegates the control plane to FastAPI."""
 
@@ -92,6 +126,8 @@ class PDGateApp:
         separate_ops = state.config.security.admin_port is not None
         self.control = build_control_plane(state, ops=not separate_ops)
         self.ops = build_ops_app(state, self.control) if separate_ops else None
+        #: For the API listener's connection layer (see `EarlyShed`).
+        self.early_shed = EarlyShed(state)
         keyed = state.security.api_keys is not None and not separate_ops
         self._keyed_paths = KEYED_CONTROL_PATHS if keyed else frozenset()
 

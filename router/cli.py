@@ -322,7 +322,7 @@ def _serve(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         drain=state.resilience.drain,
         config=config.resilience,
-        edge=Edge(edge, state.registry),
+        edge=Edge(edge, state.registry, app.early_shed),
         sockets=sockets,
     )
     gc_tuning.tune(args.gc_threshold)  # all of the above lives as long as the process

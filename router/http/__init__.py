@@ -16,9 +16,9 @@ from prometheus_client import CollectorRegistry
 
 from router.http.config import EdgeConfig
 from router.http.metrics import EdgeMetrics
-from router.http.protocol import protocol_class
+from router.http.protocol import EarlyRefusal, protocol_class
 
-__all__ = ["FD_RESERVE", "Edge", "EdgeConfig", "ensure_fd_limit"]
+__all__ = ["FD_RESERVE", "EarlyRefusal", "Edge", "EdgeConfig", "ensure_fd_limit"]
 
 log = logging.getLogger("pdgate.http")
 
@@ -29,14 +29,18 @@ FD_RESERVE = 256
 class Edge:
     """The edge's bounds and metrics, shared by the router's listeners."""
 
-    def __init__(self, config: EdgeConfig, registry: CollectorRegistry) -> None:
+    def __init__(self, config: EdgeConfig, registry: CollectorRegistry,
+                 refuse_early: EarlyRefusal | None = None) -> None:
         self.config = config
         self.metrics = EdgeMetrics(registry)
+        #: Asked from each API request's head whether to refuse it at once.
+        self.refuse_early = refuse_early
 
     def options(self, listener: str) -> dict[str, Any]:
         """uvicorn `Config` settings for one listener (`api` or `admin`)."""
         return {
-            "http": protocol_class(self.config, self.metrics.listener(listener)),
+            "http": protocol_class(self.config, self.metrics.listener(listener),
+                                   self.refuse_early if listener == "api" else None),
             "ws": "none",
             "timeout_keep_alive": self.config.idle_timeout_s,
             # Nothing reads the client address, so uvicorn's X-Forwarded-For middleware

@@ -351,10 +351,54 @@ async def test_default_admission_sheds_an_open_loop_burst_with_503s(
                 assert json.loads(body)["choices"][0]["message"]["content"]
         text = router.metrics()
         assert metric_sum(text, "pdgate_admission_rejected_total") == statuses.count(503)
+        assert metric_sum(text, "pdgate_requests_total", status="503") == statuses.count(503)
         wait_for(lambda: metric_sum(router.metrics(), "pdgate_inflight_requests") == 0,
                  timeout=5)
         # The burst is over: the next request is served.
         assert (await post(router.url, chat("after the burst")))[0] == 200
+    finally:
+        router.process.stop()
+
+
+async def test_a_saturated_router_checks_the_key_before_it_sheds(
+    faulty: tuple[FaultCluster, Router],
+) -> None:
+    """At its bound the router refuses from the request's head (router/http/protocol.py),
+    but only what the app would have shed: a missing key is still a 401, a wrong method a
+    405; a keyed request gets the 503 on a connection that serves the next request."""
+    cluster, _ = faulty
+    key = "shed-key-1"
+    keys = cluster.sim.workdir / "shed-keys"
+    keys.write_text(f"{key}\n")
+    router = cluster.start_router(["--max-inflight", "1", "--api-keys", str(keys)],
+                                  name="early-shed")
+    auth = {"authorization": f"Bearer {key}"}
+    try:
+        async with aiohttp.ClientSession(headers=auth) as keyed, aiohttp.ClientSession() as bare:
+            url = f"{router.url}/v1/chat/completions"
+            hog = asyncio.ensure_future(keyed.post(url, json=chat("hog", max_tokens=150)))
+            for _ in range(500):  # until the hog holds the one slot (the loop runs it)
+                await asyncio.sleep(0.01)
+                if metric_sum(router.metrics(key), "pdgate_inflight_requests") == 1:
+                    break
+            async with bare.post(url, json=chat("no key")) as response:
+                assert response.status == 401
+            async with keyed.get(url) as response:
+                assert response.status == 405
+            for i in range(3):  # one kept-alive connection: each answer leaves it usable
+                async with keyed.post(url, json=chat(f"shed {i}")) as response:
+                    assert response.status == 503
+                    assert response.headers["retry-after"] == "1"
+                    assert (await response.json())["error"]["type"] == "service_unavailable"
+            async with await hog as response:
+                assert response.status == 200
+                assert (await response.json())["choices"][0]["message"]["content"]
+            async with keyed.post(url, json=chat("after")) as response:
+                assert response.status == 200
+        text = router.metrics(key)
+        assert metric_sum(text, "pdgate_admission_rejected_total") == 3
+        assert metric_sum(text, "pdgate_requests_total", status="503") == 3
+        assert metric_sum(text, "pdgate_requests_total", status="401") == 1
     finally:
         router.process.stop()
 

@@ -114,8 +114,10 @@ class EarlyShed:
             return None
         return admission.refuse_saturated()
 
-    def done(self, error: APIError, seconds: float) -> None:
-        self.state.metrics.request_done(NO_MODEL, error.status, seconds)
+    def done(self, error: APIError, seconds: float, answered: bool) -> None:
+        # As `_data` counts a client gone before its body ends: 499.
+        self.state.metrics.request_done(
+            NO_MODEL, error.status if answered else CLIENT_CLOSED, seconds)
 
 
 class PDGateApp:

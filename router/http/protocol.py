@@ -86,14 +86,15 @@ class EarlyRefusal(Protocol):
     """Decides from a request's head alone whether to refuse it at once (None: serve it).
 
     `path` is the raw path (no query, not percent-decoded); `headers` as in an ASGI scope.
-    `check` counts what it refuses; `done` is called once the answer is written, with the
-    seconds from the end of the head.
+    `check` counts what it refuses. `done` follows every refusal once: `answered` when
+    the answer was written, not when the client left or its body stopped coming first
+    (then a 408); `seconds` from the end of the head.
     """
 
     def check(self, method: bytes, path: bytes, headers: list[tuple[bytes, bytes]]
               ) -> APIError | None: ...
 
-    def done(self, error: APIError, seconds: float) -> None: ...
+    def done(self, error: APIError, seconds: float, answered: bool) -> None: ...
 
 
 def _kept_answer(error: APIError, default_headers: list[tuple[bytes, bytes]]) -> bytes:
@@ -150,6 +151,8 @@ class EdgeProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self._refused is not None:
+            self._end_refused(answered=False)
         cycle = self.cycle
         super().connection_lost(exc)
         if type(cycle) is EdgeCycle and cycle.disconnected:
@@ -272,16 +275,22 @@ class EdgeProtocol(HttpToolsProtocol):
         )
 
     def _answer_refused(self) -> None:
-        assert self._refused is not None and self.refuse_early is not None
-        (error, since), self._refused = self._refused, None
+        assert self._refused is not None
         if self.transport.is_closing():
+            self._end_refused(answered=False)
             return
+        error = self._refused[0]
         self.transport.write(_kept_answer(error, self.server_state.default_headers))
         if self.access_log:
             self.access_logger.info('%s - "POST %s HTTP/1.1" %d', self.client,
                                     self.url.decode("latin-1"), error.status)
-        self.refuse_early.done(error, time.perf_counter() - since)
+        self._end_refused(answered=True)
         self.on_response_complete()  # keep-alive timer, next request, request count
+
+    def _end_refused(self, answered: bool) -> None:
+        assert self._refused is not None and self.refuse_early is not None
+        (error, since), self._refused = self._refused, None
+        self.refuse_early.done(error, time.perf_counter() - since, answered)
 
     # --- timers -------------------------------------------------------------------------
 
@@ -309,7 +318,7 @@ class EdgeProtocol(HttpToolsProtocol):
         if reason == "header_timeout":
             answer = _HEADER_TIMEOUT if self._head_started else b""  # silent if it said nothing
         elif self._refused is not None:  # refused from its head: no cycle of its own
-            self._refused = None
+            self._end_refused(answered=False)
             answer = _BODY_TIMEOUT
         else:
             answer = b"" if self.cycle.response_started else _BODY_TIMEOUT

@@ -27,7 +27,7 @@ class Shed:
     """Refuses `POST /v1/completions`, counting what it was asked and what it answered."""
 
     asked: list[bytes] = field(default_factory=list)
-    done_with: list[tuple[int, float]] = field(default_factory=list)
+    done_with: list[tuple[int, float, bool]] = field(default_factory=list)
 
     def check(self, method: bytes, path: bytes, headers: list[tuple[bytes, bytes]]
               ) -> APIError | None:
@@ -36,8 +36,8 @@ class Shed:
             return service_unavailable("At capacity.", retry_after=1)
         return None
 
-    def done(self, error: APIError, seconds: float) -> None:
-        self.done_with.append((error.status, seconds))
+    def done(self, error: APIError, seconds: float, answered: bool) -> None:
+        self.done_with.append((error.status, seconds, answered))
 
 
 @dataclass
@@ -117,8 +117,8 @@ async def test_a_refused_request_is_answered_after_its_body_and_the_connection_s
         "path": "/v1/chat/completions"}
     assert server.seen == ["/v1/chat/completions"]  # the app never saw the refused one
     assert server.shed.asked == [b"/v1/completions", b"/v1/chat/completions"]
-    assert [status for status, _ in server.shed.done_with] == [503]
-    assert 0.0 < server.shed.done_with[0][1] < 5.0
+    [(status, seconds, answered)] = server.shed.done_with
+    assert status == 503 and answered and 0.0 < seconds < 5.0
     writer.close()
 
 
@@ -159,5 +159,26 @@ async def test_a_refused_request_whose_body_stops_coming_gets_a_408_and_is_close
     data = await asyncio.wait_for(reader.read(), 5)
     assert data.startswith(b"HTTP/1.1 408 ")
     assert json.loads(data.partition(b"\r\n\r\n")[2])["error"]["code"] == "request_timeout"
-    assert server.seen == [] and server.shed.done_with == []
+    assert server.seen == []
+    assert [(status, answered) for status, _, answered in server.shed.done_with] == [
+        (503, False)]  # refused, then ended unanswered: counted once
     writer.close()
+
+
+async def test_a_refused_request_whose_client_leaves_mid_body_is_ended_unanswered(
+    server: Server,
+) -> None:
+    _, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(_post("/v1/completions", b"{" * 100)[:-50])
+    for _ in range(100):  # until the head has been read and refused
+        await asyncio.sleep(0.01)
+        if server.shed.asked:
+            break
+    writer.close()
+    for _ in range(100):
+        await asyncio.sleep(0.01)
+        if server.shed.done_with:
+            break
+    assert [(status, answered) for status, _, answered in server.shed.done_with] == [
+        (503, False)]
+    assert server.seen == []

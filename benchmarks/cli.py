@@ -116,9 +116,10 @@ def _method(config: BenchConfig) -> list[str]:
         f"{o.latency_seconds:g} s at concurrency {o.latency_concurrency} for latency, then "
         f"{o.throughput_seconds:g} s at concurrency "
         f"{o.throughput_concurrency} for max throughput. Every router is warmed up first.",
-        "- Direct floor: non-PD, the client talks to one pod; PD, the client itself sends "
-        "prefill (`max_tokens: 1`, NIXL `kv_transfer_params`) then decode with the handle to "
-        "one prefill and one decode pod. That floor makes the Python client send two requests, "
+        "- Direct floor: non-PD, the client sends each request to the next pod (round "
+        "robin); PD, the client itself sends prefill (`max_tokens: 1`, NIXL "
+        "`kv_transfer_params`) then decode with the handle, to the next group's prefill and "
+        "decode pod. That floor makes the Python client send two requests, "
         "so it can be slower than a fast router (negative added latency): compare the routers "
         "with each other there (the headline gives pdgate minus vLLM Router).",
         f"- Sweep: open-loop Poisson at {', '.join(f'{f:.0%}' for f in config.sweep.fractions)} "
@@ -136,7 +137,7 @@ def _method(config: BenchConfig) -> list[str]:
         f"{config.streaming.itl_ms:g} ms apart from {config.streaming.agg_pods} aggregated "
         f"pods, closed loop at {', '.join(map(str, config.streaming.concurrencies))} streams, "
         f"{config.streaming.seconds:g} s per router and level; the direct floor streams "
-        "straight from one pod.",
+        "straight from the pods, round robin.",
         f"- Scheduling: {s.pd_groups} PD groups (pdgate pairs inside a group; vLLM Router "
         f"pairs any prefill with any decode) or {s.agg_pods} aggregated pods, simulator latency "
         f"model on, flags `{' '.join(s.sim_flags)}`; closed loop at concurrency "

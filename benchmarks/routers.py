@@ -6,8 +6,8 @@
 - `vllm-router` (Rust, pinned in requirements.txt): PD with `--vllm-pd-disaggregation
   --kv-connector nixl` and every prefill/decode URL, or `--worker-urls` for aggregated.
 - `sglang-router`: aggregated only (`launch --worker-urls`), the non-PD comparison.
-- `direct`: no router; the client talks to one pod (aggregated) or does prefill-then-decode
-  itself against one prefill and one decode pod (PD).
+- `direct`: no router; the client sends each request to the next pod (aggregated) or does
+  prefill-then-decode itself against the next prefill/decode pair (PD), round robin.
 
 All log at warning level so that no router pays for per-request logging.
 """
@@ -23,7 +23,7 @@ from typing import Final, Literal
 
 from benchmarks.cluster import Mode, SimCluster
 from benchmarks.procs import ManagedProcess, ResourceMeter
-from benchmarks.targets import DirectPDTarget, HTTPTarget, Target
+from benchmarks.targets import DirectPDTarget, HTTPTarget, RoundRobin, Target
 from engine_sim.ports import free_port
 
 Kind = Literal["direct", "pdgate", "vllm-router", "sglang-router"]
@@ -83,11 +83,15 @@ class RunningRouter:
         self.stop()
 
     def _direct_target(self) -> Target:
-        if self.cluster.shape.mode == "pd":
-            return DirectPDTarget(
-                "direct", self.cluster.prefill[0].base_url, self.cluster.decode[0].base_url
-            )
-        return HTTPTarget("direct", self.cluster.pods[0].base_url)
+        """The floor: the client itself spreads requests over the pods (each PD group's
+        prefill and decode pod), round robin."""
+        cluster = self.cluster
+        if cluster.shape.mode == "pd":
+            return RoundRobin("direct", [
+                DirectPDTarget("direct", prefill.base_url, decode.base_url)
+                for prefill, decode in zip(cluster.prefill, cluster.decode, strict=True)
+            ])
+        return RoundRobin("direct", [HTTPTarget("direct", pod.base_url) for pod in cluster.pods])
 
     def start(self) -> None:
         if self.spec.kind == "direct":

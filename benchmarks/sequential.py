@@ -23,7 +23,13 @@ import orjson
 
 from benchmarks.loadgen import frozen_heap
 from benchmarks.specs import RequestResult, RequestSpec
-from benchmarks.targets import PREFILL_KV_PARAMS, DirectPDTarget, HTTPTarget, Target
+from benchmarks.targets import (
+    PREFILL_KV_PARAMS,
+    DirectPDTarget,
+    HTTPTarget,
+    RoundRobin,
+    Target,
+)
 
 #: Seconds one request may take before the run gives up on it.
 REQUEST_TIMEOUT_S = 30.0
@@ -61,6 +67,8 @@ def _headers(spec: RequestSpec) -> dict[str, str]:
 
 def _one(target: Target, hosts: _Hosts, spec: RequestSpec, offset: float) -> RequestResult:
     result = RequestResult(spec.session, spec.turn, offset)
+    if isinstance(target, RoundRobin):
+        target = target.pick()
     began = time.perf_counter()
     try:
         if isinstance(target, DirectPDTarget):

@@ -4,7 +4,9 @@
 the aggregated "direct" floor use. `DirectPDTarget` is the PD floor: the client itself
 does what a PD router does (prefill with `max_tokens: 1` and a NIXL-style request for a
 KV handle, then decode with the handle) against one prefill and one decode pod, with no
-router in between.
+router in between. `RoundRobin` spreads the floor over every pod (or pair) as the routers
+spread their requests: a floor on one pod of two would load that pod twice as much as
+any router does (64 streams on one simulated pod answer later than 32 on each of two).
 """
 
 from __future__ import annotations
@@ -52,6 +54,27 @@ class HTTPTarget:
         began = time.perf_counter()
         await _exchange(session, self.base_url + spec.path, spec.body, spec.stream, began, result,
                         _headers(spec))
+
+
+class RoundRobin:
+    """Each request to the next of `targets` (the direct floor over several pods)."""
+
+    def __init__(self, name: str, targets: list[HTTPTarget] | list[DirectPDTarget]) -> None:
+        if not targets:
+            raise ValueError("no targets")
+        self.name = name
+        self.targets = targets
+        self._next = 0
+
+    def pick(self) -> HTTPTarget | DirectPDTarget:
+        target = self.targets[self._next]
+        self._next = (self._next + 1) % len(self.targets)
+        return target
+
+    async def send(
+        self, session: aiohttp.ClientSession, spec: RequestSpec, result: RequestResult
+    ) -> None:
+        await self.pick().send(session, spec, result)
 
 
 class DirectPDTarget:

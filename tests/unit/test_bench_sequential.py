@@ -7,9 +7,10 @@ import asyncio
 import json
 from typing import Any
 
+from benchmarks.loadgen import LoadLimits, run_closed
 from benchmarks.sequential import run_sequential
 from benchmarks.specs import RequestSpec
-from benchmarks.targets import DirectPDTarget, HTTPTarget
+from benchmarks.targets import DirectPDTarget, HTTPTarget, RoundRobin
 
 STREAM = b'data: {"choices":[{"delta":{"content":"hi"}}]}\n\ndata: [DONE]\n\n'
 HANDLE = {"do_remote_prefill": True, "remote_engine_id": "e1", "remote_block_ids": [[1]]}
@@ -94,3 +95,21 @@ async def test_an_answer_that_is_not_ok_is_an_error() -> None:
         results, _ = await run_sequential(HTTPTarget("t", f"http://127.0.0.1:{port}"),
                                           _specs(1), time_limit=30.0)
     assert [(r.status, r.error) for r in results] == [(503, "http_503")]
+
+
+async def test_the_direct_floor_spreads_over_every_pod_as_a_router_would() -> None:
+    """Round robin over two pods, from the sequential client and the load generator."""
+    pods = [Server(), Server()]
+    listeners = [await asyncio.start_server(pod.handle, "127.0.0.1", 0) for pod in pods]
+    async with listeners[0], listeners[1]:
+        target = RoundRobin("direct", [
+            HTTPTarget("direct", f"http://127.0.0.1:{listener.sockets[0].getsockname()[1]}")
+            for listener in listeners])
+        results, _ = await run_sequential(target, _specs(6), time_limit=30.0)
+        assert [r.ok for r in results] == [True] * 6
+        assert [len(pod.bodies) for pod in pods] == [3, 3]
+        assert [pod.connections for pod in pods] == [1, 1]  # one kept-alive each
+        closed = await run_closed(target, [[spec] for spec in _specs(8)], 4,
+                                  LoadLimits(time_limit=30.0))
+        assert [r.ok for r in closed.results] == [True] * 8
+    assert [len(pod.bodies) for pod in pods] == [7, 7]

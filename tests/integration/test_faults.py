@@ -376,11 +376,14 @@ async def test_a_saturated_router_checks_the_key_before_it_sheds(
     try:
         async with aiohttp.ClientSession(headers=auth) as keyed, aiohttp.ClientSession() as bare:
             url = f"{router.url}/v1/chat/completions"
-            hog = asyncio.ensure_future(keyed.post(url, json=chat("hog", max_tokens=150)))
-            for _ in range(500):  # until the hog holds the one slot (the loop runs it)
+            # ~1.2 s of decode: it holds the one slot while the requests below are answered.
+            hog = asyncio.ensure_future(keyed.post(url, json=chat("hog", max_tokens=300)))
+            for _ in range(500):  # until the hog holds the slot (the loop sends it)
                 await asyncio.sleep(0.01)
                 if metric_sum(router.metrics(key), "pdgate_inflight_requests") == 1:
                     break
+            else:
+                pytest.fail("the hog never reached the router")
             async with bare.post(url, json=chat("no key")) as response:
                 assert response.status == 401
             async with keyed.get(url) as response:

@@ -45,6 +45,7 @@ from benchmarks.procs import StartupError
 from benchmarks.routers import RouterSpec, RunningRouter
 from benchmarks.specs import RequestSpec
 from benchmarks.trace import DEFAULT_TRACE, TraceOptions, TraceWindow, trace_window
+from engine_sim.block_hash import DEFAULT_HASH_SEED
 from engine_sim.prompts import DEFAULT_CHAT_TEMPLATE, DEFAULT_TOKENIZER
 from router.tokenization import CHAT_TEMPLATE_ANNOTATION, TOKENIZER_ANNOTATION
 
@@ -65,12 +66,16 @@ _LOAD: Final = ("      - {type: prefill-backlog, weight: 1.0}\n"
                 "      - {type: queue, weight: 0.5, threshold: 32}\n")
 
 
-def _policy(prefix: str, pool: bool, precise: bool) -> str:
+def _policy(prefix: str, pool: bool, precise: bool, seeded: bool = False) -> str:
+    """`seeded`: the router is told the engines' PYTHONHASHSEED (the pods run with
+    `DEFAULT_HASH_SEED`), so the precise index keys blocks by the engines' own hashes
+    instead of recomputing router keys from each event's token ids."""
     body = (f"profiles:\n  prefill:\n    unit: ttft\n    scorers:\n"
             f"      - {{type: {prefix}, weight: 1.0}}\n{_LOAD}")
     body += f"poolView: {{enabled: {'true' if pool else 'false'}}}\n"
     if precise:
-        body += "preciseIndex: {enabled: true}\n"
+        seed = f", hashSeed: '{DEFAULT_HASH_SEED}'" if seeded else ""
+        body += f"preciseIndex: {{enabled: true{seed}}}\n"
     return body
 
 
@@ -79,10 +84,15 @@ TRACE_POLICIES: Final[dict[str, str]] = {
     "local": _policy("prefix-cache", pool=False, precise=False),
     "global": _policy("prefix-cache", pool=True, precise=False),
     "global-precise": _policy("precise-prefix-cache", pool=True, precise=True),
+    "global-precise-seeded": _policy("precise-prefix-cache", pool=True, precise=True,
+                                     seeded=True),
     # `global` with Conductor's early rejection: a request whose best predicted TTFT is
     # beyond the window's SLO is answered 429 at once (counted as outside the SLO).
     "global-slo": _policy("prefix-cache", pool=True, precise=False),
 }
+#: What `--phases trace` runs unless `--trace-policies` says otherwise (the seeded precise
+#: index is opt-in: it differs from `global-precise` only in the router's CPU and memory).
+DEFAULT_POLICIES: Final = ("local", "global", "global-precise", "global-slo")
 PEERS: Final = ("cache_aware", "round_robin")
 #: Policies whose prefill engines do not read the pool (Mooncake's "local cache-aware"
 #: scheduling: a prefix is reused only where it was computed; no pulls from the store).
@@ -95,7 +105,7 @@ class TraceBenchConfig:
     busy: float = 0.8
     capacity_share: float = 0.15
     request_timeout: float = 180.0
-    policies: tuple[str, ...] = tuple(TRACE_POLICIES)
+    policies: tuple[str, ...] = DEFAULT_POLICIES
     peers: tuple[str, ...] = PEERS
 
 
@@ -421,7 +431,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "blocks)")
     add("--trace-max-output", type=int, default=16, help="cap on output tokens")
     add("--trace-groups", type=int, default=4, help="PD groups")
-    add("--trace-policies", default=",".join(TRACE_POLICIES), help="pdgate policies")
+    add("--trace-policies", default=",".join(DEFAULT_POLICIES),
+        help=f"pdgate policies, of: {', '.join(TRACE_POLICIES)}")
     add("--trace-peers", default=",".join(PEERS), help="vLLM Router policies")
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import orjson
 import pytest
+import yaml
 from aiohttp import web
 
 from benchmarks.loadgen import LoadLimits, run_at
@@ -24,7 +25,9 @@ from benchmarks.trace import (
     spread_buckets,
     trace_window,
 )
+from benchmarks.trace_bench import _HEADER, DEFAULT_POLICIES, TRACE_POLICIES
 from benchmarks.words import sim_tokenizer
+from router.scheduling.config import key_settings, parse_scheduler_config
 
 RECORDS = [  # two conversations: ids 1,2 then 1,2,3 (a prefix hit of 2 blocks), and 7
     {"timestamp": 0, "input_length": 1000, "output_length": 40, "hash_ids": [1, 2]},
@@ -140,3 +143,16 @@ async def test_replay_is_open_loop_at_the_trace_times(
     offsets = sorted(t - began for t in arrived)
     for got, want in zip(offsets, window.offsets, strict=True):  # 0, 0.075, 0.15, 0.3 s
         assert want - 0.01 <= got <= want + 0.1
+
+
+
+def test_every_trace_policy_loads_and_only_the_seeded_one_keys_by_engine_hashes() -> None:
+    """The policies' YAML goes through the router's own loader; the seeded precise policy
+    tells it the engines' seed, which lets its index key blocks by the engines' hashes."""
+    modes = {}
+    for name, body in TRACE_POLICIES.items():
+        config = parse_scheduler_config(yaml.safe_load(_HEADER + body), name)
+        modes[name] = key_settings(config.precise_index).mode
+    assert modes.pop("global-precise-seeded") == "hashes"
+    assert set(modes.values()) == {"tokens"}
+    assert set(DEFAULT_POLICIES) == set(modes)  # the seeded one is opt-in

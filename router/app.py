@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
@@ -100,16 +100,11 @@ class EarlyShed:
 
     def check(self, method: bytes, path: bytes, headers: list[tuple[bytes, bytes]]
               ) -> APIError | None:
-        state = self.state
-        admission = state.resilience.admission
-        if (not admission.saturated() or method != b"POST" or path not in RAW_DATA_PATHS
-                or state.resilience.drain.draining):
+        admission = self.state.resilience.admission
+        if not admission.saturated() or path not in RAW_DATA_PATHS:
             return None
-        limits = state.security.config
         try:
-            parsed = read_headers(headers, limits.max_headers, limits.max_header_bytes)
-            if state.security.api_keys is not None:
-                state.security.api_keys.check(parsed.get("authorization"))
+            _check_head(self.state, method.decode("latin-1"), headers)
         except APIError:
             return None
         return admission.refuse_saturated()
@@ -180,14 +175,8 @@ class PDGateApp:
         assert this is not None
         drain.enter(this)
         try:
-            if drain.draining:
-                raise shutting_down()
-            if scope["method"] != "POST":
-                raise method_not_allowed(scope["method"])
+            headers = _check_head(state, scope["method"], scope["headers"])
             limits = state.security.config
-            headers = read_headers(scope["headers"], limits.max_headers, limits.max_header_bytes)
-            if state.security.api_keys is not None:
-                state.security.api_keys.check(headers.get("authorization"))
             if state.resilience.admission.saturated():
                 # Shed before parsing: the body is read (the connection stays usable) but
                 # no JSON is parsed, no route resolved, no counter taken.
@@ -237,6 +226,23 @@ class PDGateApp:
             await self.state.proxy.serve(parsed, headers, out)
         finally:
             admission.leave(model)
+
+
+def _check_head(state: AppState, method: str, raw: Iterable[tuple[bytes, bytes]]
+                ) -> dict[str, str]:
+    """What a data request's head must pass before its body is read, in this order: the
+    drain, the method, the header limits, the API key (raises `APIError`). Its headers.
+    `_data` and `EarlyShed` both go through it, so the refusal from the head sees the
+    same checks in the same order."""
+    if state.resilience.drain.draining:
+        raise shutting_down()
+    if method != "POST":
+        raise method_not_allowed(method)
+    limits = state.security.config
+    headers = read_headers(raw, limits.max_headers, limits.max_header_bytes)
+    if state.security.api_keys is not None:
+        state.security.api_keys.check(headers.get("authorization"))
+    return headers
 
 
 async def _end_for_shutdown(out: Responder) -> None:

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Protocol
 
 import httptools
@@ -65,21 +65,22 @@ _PRIMER = b"POST / HTTP/1.1\r\n"
 _FRAMING = (b"content-length", b"transfer-encoding")
 
 
-def _answer(error: APIError) -> bytes:
-    """A complete HTTP/1.1 error answer that closes the connection."""
+def _answer(error: APIError, default_headers: Sequence[tuple[bytes, bytes]] = (),
+            close: bool = True) -> bytes:
+    """A complete HTTP/1.1 error answer: one that closes the connection, or (`close`
+    False) one on a connection that stays open, with the server's default headers (e.g.
+    `date`) as on any answer."""
     body = error.body()
-    lines = [
-        b"HTTP/1.1 %d %s" % (error.status, _REASONS[error.status]),
-        b"content-type: application/json",
-        b"content-length: %d" % len(body),
-        b"connection: close",
-        *(b"%s: %s" % (k.encode(), v.encode()) for k, v in error.headers.items()),
-    ]
-    return b"\r\n".join(lines) + b"\r\n\r\n" + body
-
-
-_REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large",
-            503: b"Service Unavailable"}
+    lines = [STATUS_LINE[error.status]]
+    for name, value in default_headers:
+        lines += (name, b": ", value, b"\r\n")
+    lines.append(b"content-type: application/json\r\ncontent-length: %d\r\n" % len(body))
+    if close:
+        lines.append(b"connection: close\r\n")
+    for key, text in error.headers.items():
+        lines.append(b"%s: %s\r\n" % (key.encode(), text.encode()))
+    lines += (b"\r\n", body)
+    return b"".join(lines)
 
 
 class EarlyRefusal(Protocol):
@@ -95,20 +96,6 @@ class EarlyRefusal(Protocol):
               ) -> APIError | None: ...
 
     def done(self, error: APIError, seconds: float, answered: bool) -> None: ...
-
-
-def _kept_answer(error: APIError, default_headers: list[tuple[bytes, bytes]]) -> bytes:
-    """An error answer on a connection that stays open (the server's default headers,
-    e.g. `date`, as on any answer)."""
-    body = error.body()
-    lines = [STATUS_LINE[error.status]]
-    for name, value in default_headers:
-        lines += (name, b": ", value, b"\r\n")
-    for key, text in error.headers.items():
-        lines.append(b"%s: %s\r\n" % (key.encode(), text.encode()))
-    lines += (b"content-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body),
-              body)
-    return b"".join(lines)
 
 
 _TOO_MANY_CONNECTIONS = _answer(APIError(
@@ -282,7 +269,7 @@ class EdgeProtocol(HttpToolsProtocol):
             self._end_refused(answered=False)
             return
         error = self._refused[0]
-        self.transport.write(_kept_answer(error, self.server_state.default_headers))
+        self.transport.write(_answer(error, self.server_state.default_headers, close=False))
         if self.access_log:
             self.access_logger.info('%s - "POST %s HTTP/1.1" %d', self.client,
                                     self.url.decode("latin-1"), error.status)

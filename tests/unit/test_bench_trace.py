@@ -145,7 +145,6 @@ async def test_replay_is_open_loop_at_the_trace_times(
         assert want - 0.01 <= got <= want + 0.1
 
 
-
 def test_every_trace_policy_loads_and_only_the_seeded_one_keys_by_engine_hashes() -> None:
     """The policies' YAML goes through the router's own loader; the seeded precise policy
     tells it the engines' seed, which lets its index key blocks by the engines' hashes."""

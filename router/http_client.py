@@ -14,6 +14,9 @@ delivers it. One `Connection` per socket, one `Response` per request, nothing el
   pod; a request past a bound waits for a connection to come back (FIFO).
 - **Back-pressure.** A response buffers at most `HIGH_WATER` bytes the caller has not
   read; past that the socket stops reading until the caller catches up.
+- **One hand-over per read.** In push mode (`stream_to`) the body bytes of one socket
+  read go to the sink in one call, however many HTTP chunks they were: when a loaded
+  router reads several SSE events of a stream at once, they leave in one write.
 - **Failures.** Connecting raises `ConnectFailed` (bounded by `connect_timeout_s`); a
   connection that breaks before the response is complete raises `ConnectionBroken`. A
   response not read to its end is never reused: `release()` closes its socket.
@@ -98,17 +101,15 @@ class Response:
     # --- push mode: body bytes handed to a callback as they arrive ----------------------
 
     def stream_to(self, sink: Callable[[bytes], None] | None) -> None:
-        """Hand body bytes to `sink` from the connection's `data_received` as the parser
-        delivers them (bytes already buffered first), instead of buffering them for
-        `readany`; None goes back to buffering. See `wait` for the end of the body."""
+        """Hand body bytes to `sink` from the connection's `data_received`, those of one
+        socket read in one call (bytes already buffered first), instead of buffering them
+        for `readany`; None goes back to buffering. See `wait` for the end of the body."""
         self._sink = sink
         if sink is not None and self._chunks:
-            data = b"".join(self._chunks)
-            self._chunks.clear()
             if self._size > HIGH_WATER:
                 self._conn.resume()
             self._size = 0
-            sink(data)
+            self._flush()
 
     async def wait(self) -> bool:
         """In push mode: wait until the body is complete (False) or `hold()` was called
@@ -149,7 +150,7 @@ class Response:
 
     def _feed(self, data: bytes) -> None:
         if self._sink is not None:
-            self._sink(data)
+            self._chunks.append(data)  # handed over once the read is parsed (`_flush`)
             return
         self._chunks.append(data)
         self._size += len(data)
@@ -157,7 +158,16 @@ class Response:
             self._conn.pause()
         self._wake()
 
+    def _flush(self) -> None:
+        """In push mode: hand what the parser delivered to the sink, in one call."""
+        chunks = self._chunks
+        if chunks and self._sink is not None:
+            data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            chunks.clear()
+            self._sink(data)
+
     def _finish(self, error: ConnectionBroken | None) -> None:
+        self._flush()  # the body's last bytes before its end
         if error is None:
             self._complete = True
         elif not self._complete:
@@ -218,7 +228,8 @@ class Connection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
-        if self.response is None:
+        response = self.response
+        if response is None:
             self.close()  # bytes nobody asked for: this connection cannot be trusted
             return
         try:
@@ -226,7 +237,9 @@ class Connection(asyncio.Protocol):
         except httptools.HttpParserError:
             self.keep_alive = False
             self.close()
-            self.response._finish(ConnectionBroken("invalid HTTP response"))
+            response._finish(ConnectionBroken("invalid HTTP response"))
+            return
+        response._flush()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True

@@ -5,8 +5,9 @@ the Responses API's last event, the usage watcher) and says what to send; `sent`
 what went out (TTFT at the first content, ITL after). The proxy's task runs them for the
 first chunk, which starts the response. From then on, when the edge's direct write path
 serves the client (`Responder.direct`), `run` hands the rest of the body to `on_data`,
-called by the upstream connection as the parser delivers bytes: each chunk is checked,
-written and timed there, with no task wake-up, future or coroutine per chunk. The task
+called by the upstream connection once per socket read: what the read brought (one
+SSE event, or several when the router is busy) is checked, written in one write and
+timed there, with no task wake-up, future or coroutine per chunk. The task
 sleeps until the body ends or breaks, or the client's socket pushes back (its write
 buffer past the high-water mark): then the upstream socket stops reading until the
 client drains, so at most one upstream read sits in the client's buffer beyond the mark.
@@ -22,7 +23,7 @@ from router.histogram import LoopHistogramChild
 from router.http_client import Response
 from router.metrics import RouterMetrics
 from router.security.usage import StreamUsage
-from router.timing import Timeline, carries_content
+from router.timing import Timeline, content_events
 
 DONE = b"data: [DONE]"
 #: How many bytes of a stream's end are kept to check that it ended with `[DONE]`.
@@ -93,19 +94,23 @@ class StreamRelay:
         return chunk, not ends_done(self.end) or (usage is not None and usage.pending)
 
     def sent(self, chunk: bytes) -> None:
-        """Time a chunk that went out: TTFT and its phases at the first content, ITL after."""
-        if not carries_content(chunk):
+        """Time a chunk that went out: TTFT and its phases at the first content, ITL after.
+        Content events that went out in the same write are 0 s apart."""
+        events = content_events(chunk)
+        if not events:
             return
         itl = self.itl
         if itl is None:  # the first token reached the client
             clock = self._clock
             self.first_at = self.last_at = clock.lap(self._first_lap)
             self._metrics.first_token(self._model, self.first_at - clock.arrived, clock.laps)
-            self.itl = self._metrics.inter_token(self._model)
+            itl = self.itl = self._metrics.inter_token(self._model)
         else:
             now = time.perf_counter()
             itl.observe(now - self.last_at)
             self.last_at = now
+        for _ in range(events - 1):
+            itl.observe(0.0)
 
     def last_step(self, chunk: bytes) -> None:
         """The step that ends the response (`take` said no more follow) is about to be

@@ -48,6 +48,14 @@ def carries_content(chunk: bytes) -> bool:
     return CONTENT.search(chunk) is not None
 
 
+def content_events(chunk: bytes) -> int:
+    """How many SSE events of `chunk` carry content: one write may relay several (the
+    events of one socket read leave together)."""
+    if chunk.count(b"data:") < 2:
+        return 1 if carries_content(chunk) else 0
+    return sum(1 for event in chunk.split(b"\n\n") if event and carries_content(event))
+
+
 class Timeline:
     """One request's TTFT clock (see the module docstring)."""
 

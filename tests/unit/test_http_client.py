@@ -64,6 +64,16 @@ class Server:
                 await writer.drain()
                 await asyncio.sleep(0.01)
             writer.write(b"0\r\n\r\n")
+        elif path == "/burst":  # three events in one write, after the head
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                         b"transfer-encoding: chunked\r\n\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.05)
+            writer.write(b"".join(b"%x\r\n%s\r\n" % (len(e), e)
+                                  for e in (b"data: %d\n\n" % i for i in range(3))))
+            await writer.drain()
+            await asyncio.sleep(0.05)
+            writer.write(b"0\r\n\r\n")
         elif path == "/cut":
             writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
                          b"6\r\ndata: \r\n")
@@ -282,6 +292,20 @@ async def test_push_mode_hands_chunks_to_the_sink_as_they_arrive(server: Server)
     response.stream_to(None)
     assert b"".join(received) == b"data: 0\n\ndata: 1\n\ndata: 2\n\n"
     assert len(received) >= 2
+    response.release()
+    await pool.close()
+
+
+async def test_push_mode_hands_over_the_chunks_of_one_read_at_once(server: Server) -> None:
+    """Three HTTP chunks that arrive in one read reach the sink in one call (the relay
+    writes them to the client in one write), and nothing is lost or reordered."""
+    pool = _pool()
+    response = await _post(pool, server, "/burst")
+    received: list[bytes] = []
+    response.stream_to(received.append)
+    assert await response.wait() is False
+    response.stream_to(None)
+    assert received == [b"data: 0\n\ndata: 1\n\ndata: 2\n\n"]
     response.release()
     await pool.close()
 

@@ -1,4 +1,5 @@
-"""`carries_content`: the relay's per-chunk test for generated content (TTFT, ITL)."""
+"""`carries_content` / `content_events`: the relay's per-write test for generated content
+(TTFT, ITL)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import random
 
 import pytest
 
-from router.timing import CONTENT, carries_content
+from router.timing import CONTENT, carries_content, content_events
 
 
 @pytest.mark.parametrize(("chunk", "expected"), [
@@ -32,3 +33,25 @@ def test_agrees_with_the_reference_pattern() -> None:
     for _ in range(50_000):
         chunk = b"".join(rng.choice(pieces) for _ in range(rng.randint(0, 12)))
         assert carries_content(chunk) is (CONTENT.search(chunk) is not None), chunk
+
+
+ROLE = b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n'
+TOKEN = b'data: {"choices":[{"delta":{"content":"hi"}}]}\n\n'
+USAGE = b'data: {"choices":[],"usage":{"completion_tokens":3}}\n\n'
+
+
+@pytest.mark.parametrize(("write", "expected"), [
+    (TOKEN, 1),
+    (ROLE, 0),
+    (ROLE + TOKEN, 1),  # a stream's first read: the role chunk and the first token
+    (TOKEN * 3, 3),
+    (TOKEN + USAGE + b"data: [DONE]\n\n", 1),
+    (b'data: {"choices":[{"delta":{"content":"say data: twice"}}]}\n\n', 1),
+    (b"event: response.output_text.delta\n" + TOKEN + b"event: response.completed\n"
+     b'data: {"type":"response.completed"}\n\n', 1),
+    (b"", 0),
+])
+def test_content_events_counts_the_events_of_one_write(write: bytes, expected: int) -> None:
+    """Events relayed in one write (the events of one upstream read) are each a token the
+    client received: the ITL histogram gets one observation per content event."""
+    assert content_events(write) == expected

@@ -65,7 +65,7 @@ class RouterMetrics:
         )
         self.itl = LoopHistogram(
             "pdgate_inter_token_latency_seconds",
-            "Streams only: time between consecutive chunks carrying content, as relayed.",
+            "Streams only: time between consecutive content events, as relayed (0 within a write).",
             "model", ITL_BUCKETS, registry=registry,
         )
         self.tokens_per_second = LoopHistogram(

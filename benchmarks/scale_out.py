@@ -30,7 +30,12 @@ How each setup is measured, and why (each was a cause of the earlier figures):
 Reported per setup and workload: prefix hit rate at the prefill engines, the best
 possible, TTFT p50/p90, router CPU per request, errors. Then, unless `--no-fast`,
 throughput with `--fast` pods and tiny prompts (the router is the bottleneck): requests
-per second and CPU per request of each setup, and their ratio to one process.
+per second and CPU per request of each setup, and their ratio to one process. And the
+same tiny requests open loop at `--fixed-rate` (a rate no setup is saturated at): CPU per
+request there is what a request costs each setup at equal load, without the batching a
+saturated loop gets (a router-bound run gives one process fuller loop turns than two);
+two routers that share nothing show what running two processes costs by itself, and the
+sync is the difference between them and `--workers 2` / 2 replicas.
 """
 
 from __future__ import annotations
@@ -319,6 +324,25 @@ async def send(
     return results, seconds, routers.cpu() - cpu0
 
 
+async def send_at_rate(
+    routers: Routers, sessions: Sequence[Session], salt: str, rate: float, model: str
+) -> tuple[list[RequestResult], float, float]:
+    """The first request of each session, open loop at `rate` a second (request n at
+    n / rate s, to URL n mod the URLs). (results, seconds, router CPU seconds)."""
+    cpu0 = routers.cpu()
+    started = time.perf_counter()
+    tasks: list[asyncio.Task[RequestResult]] = []
+    for n, session in enumerate(sessions):
+        delay = started + n / rate - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        pool, url = routers.pools[n % len(routers.pools)], routers.urls[n % len(routers.urls)]
+        body = session[0].body(model, 4, salt)
+        tasks.append(asyncio.create_task(stream_chat(pool, url, body)))
+    results = list(await asyncio.gather(*tasks))
+    return results, time.perf_counter() - started, routers.cpu() - cpu0
+
+
 async def measure(
     cluster: PolicyCluster, routers: Routers, workload: str, sessions: Sequence[Session],
     salt: str, concurrency: int,
@@ -395,10 +419,14 @@ def tiny_prompts(count: int) -> list[Session]:
     return [[Prompt(0, (("user", f"ping {i}"),))] for i in range(count)]
 
 
-async def bench_fast(args: argparse.Namespace, workdir: Path) -> dict[str, Run]:
+async def bench_fast(
+    args: argparse.Namespace, workdir: Path
+) -> tuple[dict[str, Run], dict[str, Run]]:
     """Router-bound: `--fast` aggregated pods (the main bench's overhead phase: the PD
-    simulator's KV transfer, not the router, bounds a PD cluster here), tiny prompts."""
+    simulator's KV transfer, not the router, bounds a PD cluster here), tiny prompts;
+    then the same open loop at `--fixed-rate`. (router-bound, fixed-rate) runs."""
     pooled: dict[str, Run] = {}
+    fixed: dict[str, Run] = {}
     cluster = SimCluster(ClusterShape("agg", args.fast_pods, fast=True), workdir / "fast")
     await asyncio.to_thread(cluster.start)
     try:
@@ -421,11 +449,23 @@ async def bench_fast(args: argparse.Namespace, workdir: Path) -> dict[str, Run]:
                     print(f"  round {round_index + 1} {setup} fast: {run.requests_per_s:.0f} "
                           f"req/s, CPU {1e3 * run.cpu_per_request:.2f} ms/request, "
                           f"{run.errors} errors", flush=True)
+                    if args.fixed_requests > 0:
+                        await settle(routers)
+                        results, seconds, cpu = await send_at_rate(
+                            routers, tiny_prompts(args.fixed_requests),
+                            f"fixed-{round_index}", args.fixed_rate, FAST_MODEL,
+                        )
+                        run = Run(setup, "fixed", results, cpu_s=cpu, seconds=seconds,
+                                  idle_cpu_s=idle * seconds)
+                        fixed.setdefault(setup, Run(setup, "fixed")).add(run)
+                        print(f"  round {round_index + 1} {setup} at {args.fixed_rate:g} "
+                              f"req/s: CPU {1e3 * run.cpu_per_request:.2f} ms/request, "
+                              f"{run.errors} errors", flush=True)
                 finally:
                     await stop_routers(routers)
     finally:
         await asyncio.to_thread(cluster.stop)
-    return pooled
+    return pooled, fixed
 
 
 def workload_table(pooled: dict[tuple[str, str], Run]) -> str:
@@ -444,6 +484,26 @@ def workload_table(pooled: dict[tuple[str, str], Run]) -> str:
                 f"| {1e3 * run.ttft(0.5):.0f} | {1e3 * run.ttft(0.9):.0f} | {ratio:.2f}x "
                 f"| {1e3 * run.cpu_per_request:.2f} | {run.errors} |"
             )
+    return "\n".join(lines)
+
+
+def fixed_table(pooled: dict[str, Run]) -> str:
+    """CPU per request at the same offered load (`--fixed-rate`), against one process."""
+    lines = ["| setup (`--fast` pods) | achieved requests / s | router CPU ms / request "
+             "| vs one process | net of idle CPU ms / request | vs one process | TTFT p50 (ms) "
+             "| errors |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    base = pooled.get("one process")
+    for setup in FAST_SETUPS:
+        run = pooled.get(setup)
+        if run is None:
+            continue
+        cpu = run.cpu_per_request / base.cpu_per_request if base else float("nan")
+        busy = run.busy_cpu_per_request / base.busy_cpu_per_request if base else float("nan")
+        lines.append(f"| {setup} | {run.requests_per_s:.0f} "
+                     f"| {1e3 * run.cpu_per_request:.2f} | {cpu:.2f}x "
+                     f"| {1e3 * run.busy_cpu_per_request:.2f} | {busy:.2f}x "
+                     f"| {1e3 * run.ttft(0.5):.1f} | {run.errors} |")
     return "\n".join(lines)
 
 
@@ -473,7 +533,7 @@ async def bench(args: argparse.Namespace) -> None:
     print(f"{args.rounds} rounds; load average {psutil.getloadavg()[0]:.1f} on "
           f"{psutil.cpu_count()} CPUs; logs in {workdir}", flush=True)
     pooled = {} if args.no_workloads else await bench_workloads(args, workdir)
-    fast = None if args.no_fast else await bench_fast(args, workdir)
+    fast, fixed = (None, None) if args.no_fast else await bench_fast(args, workdir)
     print(f"\nshared-prefix: {args.prompts} system prompts x {args.questions} questions; "
           f"multi-round: {args.users} users x {args.chat_rounds} rounds "
           f"(system ~{args.chat_system_tokens} tokens); {args.groups} PD groups; "
@@ -486,6 +546,10 @@ async def bench(args: argparse.Namespace) -> None:
               f"{args.fast_concurrency} keep-alive connections, {args.fast_pods} aggregated "
               "--fast pods:\n")
         print(fast_table(fast))
+    if fixed:
+        print(f"\nThe same tiny streams open loop at {args.fixed_rate:g} requests/s "
+              f"({args.fixed_requests} x {args.rounds} rounds; no setup is saturated):\n")
+        print(fixed_table(fixed))
 
 
 def main() -> None:
@@ -502,6 +566,10 @@ def main() -> None:
     parser.add_argument("--fast-requests", type=int, default=1500)
     parser.add_argument("--fast-concurrency", type=int, default=32)
     parser.add_argument("--fast-pods", type=int, default=2, help="aggregated --fast pods")
+    parser.add_argument("--fixed-rate", type=float, default=300.0,
+                        help="requests/s of the open-loop part (below every setup's maximum)")
+    parser.add_argument("--fixed-requests", type=int, default=1500,
+                        help="requests of the open-loop part per setup and round (0: skip)")
     parser.add_argument("--no-fast", action="store_true", help="skip the router-bound part")
     parser.add_argument("--no-workloads", action="store_true",
                         help="only the router-bound part")

@@ -1,0 +1,60 @@
+"""`benchmarks.scale_out.send_at_rate`: the open loop of the scale-out bench's fixed-rate
+part, against two loopback SSE servers standing in for two router URLs."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from benchmarks.scale_out import Routers, send_at_rate, tiny_prompts
+
+EVENT = b'data: {"choices":[{"index":0,"delta":{"content":"pong"}}]}\n\ndata: [DONE]\n\n'
+
+
+async def _start(counts: list[int], index: int) -> tuple[web.AppRunner, str]:
+    async def chat(request: web.Request) -> web.StreamResponse:
+        counts[index] += 1
+        await request.read()
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(EVENT)
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture
+async def two_urls() -> AsyncIterator[tuple[Routers, list[int]]]:
+    counts = [0, 0]
+    started = [await _start(counts, i) for i in range(2)]
+    routers = Routers("2 routers, no sync", [url for _, url in started], [], 2)
+    routers.pools = [aiohttp.ClientSession() for _ in started]
+    yield routers, counts
+    for pool in routers.pools:
+        await pool.close()
+    for runner, _ in started:
+        await runner.cleanup()
+
+
+async def test_requests_go_out_at_the_rate_alternating_between_urls(
+    two_urls: tuple[Routers, list[int]],
+) -> None:
+    routers, counts = two_urls
+    started = time.perf_counter()
+    results, seconds, _ = await send_at_rate(routers, tiny_prompts(20), "s", 100.0, "m")
+    assert time.perf_counter() - started >= 0.19  # the 20th request leaves at 0.19 s
+    assert seconds >= 0.19
+    assert [r.status for r in results] == [200] * 20
+    assert all(r.completed and r.ttft is not None for r in results)
+    assert counts == [10, 10]

@@ -47,7 +47,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
@@ -487,20 +487,31 @@ def workload_table(pooled: dict[tuple[str, str], Run]) -> str:
     return "\n".join(lines)
 
 
+def _against_one(pooled: dict[str, Run]) -> Iterator[tuple[Run, float, float, float]]:
+    """Each setup's run, with its requests/s, CPU per request and the same net of idle as
+    ratios to one process's (NaN without one)."""
+    base = pooled.get("one process")
+    nan = float("nan")
+    for setup in FAST_SETUPS:
+        run = pooled.get(setup)
+        if run is None:
+            continue
+        if base is None:
+            yield run, nan, nan, nan
+            continue
+        yield (run, run.requests_per_s / base.requests_per_s,
+               run.cpu_per_request / base.cpu_per_request,
+               run.busy_cpu_per_request / base.busy_cpu_per_request)
+
+
 def fixed_table(pooled: dict[str, Run]) -> str:
     """CPU per request at the same offered load (`--fixed-rate`), against one process."""
     lines = ["| setup (`--fast` pods) | achieved requests / s | router CPU ms / request "
              "| vs one process | net of idle CPU ms / request | vs one process | TTFT p50 (ms) "
              "| errors |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    base = pooled.get("one process")
-    for setup in FAST_SETUPS:
-        run = pooled.get(setup)
-        if run is None:
-            continue
-        cpu = run.cpu_per_request / base.cpu_per_request if base else float("nan")
-        busy = run.busy_cpu_per_request / base.busy_cpu_per_request if base else float("nan")
-        lines.append(f"| {setup} | {run.requests_per_s:.0f} "
+    for run, _, cpu, busy in _against_one(pooled):
+        lines.append(f"| {run.setup} | {run.requests_per_s:.0f} "
                      f"| {1e3 * run.cpu_per_request:.2f} | {cpu:.2f}x "
                      f"| {1e3 * run.busy_cpu_per_request:.2f} | {busy:.2f}x "
                      f"| {1e3 * run.ttft(0.5):.1f} | {run.errors} |")
@@ -512,16 +523,9 @@ def fast_table(pooled: dict[str, Run]) -> str:
              "| router CPU ms / request | vs one process | net of idle CPU ms / request "
              "| vs one process | idle CPU (% of a core) | errors |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    base = pooled.get("one process")
-    for setup in FAST_SETUPS:
-        run = pooled.get(setup)
-        if run is None:
-            continue
-        tput = run.requests_per_s / base.requests_per_s if base else float("nan")
-        cpu = run.cpu_per_request / base.cpu_per_request if base else float("nan")
-        busy = run.busy_cpu_per_request / base.busy_cpu_per_request if base else float("nan")
+    for run, tput, cpu, busy in _against_one(pooled):
         idle = 100 * run.idle_cpu_s / run.seconds if run.seconds else 0.0
-        lines.append(f"| {setup} | {run.requests_per_s:.0f} | {tput:.2f}x "
+        lines.append(f"| {run.setup} | {run.requests_per_s:.0f} | {tput:.2f}x "
                      f"| {1e3 * run.cpu_per_request:.2f} | {cpu:.2f}x "
                      f"| {1e3 * run.busy_cpu_per_request:.2f} | {busy:.2f}x | {idle:.1f}% "
                      f"| {run.errors} |")

@@ -1,5 +1,5 @@
-"""`benchmarks.scale_out.send_at_rate`: the open loop of the scale-out bench's fixed-rate
-part, against two loopback SSE servers standing in for two router URLs."""
+"""`benchmarks.scale_out`: the open loop of its fixed-rate part (`send_at_rate`, against
+two loopback SSE servers standing in for two router URLs) and its tables' ratios."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from benchmarks.scale_out import Routers, send_at_rate, tiny_prompts
+from benchmarks.scale_out import Routers, Run, fast_table, fixed_table, send_at_rate, tiny_prompts
+from benchmarks.sched_policies import RequestResult
 
 EVENT = b'data: {"choices":[{"index":0,"delta":{"content":"pong"}}]}\n\ndata: [DONE]\n\n'
 
@@ -58,3 +59,14 @@ async def test_requests_go_out_at_the_rate_alternating_between_urls(
     assert [r.status for r in results] == [200] * 20
     assert all(r.completed and r.ttft is not None for r in results)
     assert counts == [10, 10]
+
+
+def test_tables_give_each_setup_against_one_process() -> None:
+    done = [RequestResult(0.002, 200, None, None, None, True)] * 100
+    one = Run("one process", "fixed", done, cpu_s=0.05, seconds=1.0, idle_cpu_s=0.01)
+    two = Run("--workers 2", "fixed", done, cpu_s=0.08, seconds=1.0, idle_cpu_s=0.02)
+    fixed = fixed_table({"--workers 2": two, "one process": one}).splitlines()
+    assert fixed[2].startswith("| one process | 100 | 0.50 | 1.00x | 0.40 | 1.00x |")
+    assert fixed[3].startswith("| --workers 2 | 100 | 0.80 | 1.60x | 0.60 | 1.50x |")
+    fast = fast_table({"one process": one, "--workers 2": two}).splitlines()
+    assert fast[3].startswith("| --workers 2 | 100 | 1.00x | 0.80 | 1.60x | 0.60 | 1.50x | 2.0% |")

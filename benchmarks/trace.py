@@ -19,7 +19,9 @@ Replay (`trace_workload`):
   measured; long decodes only cost the shared machine CPU).
 
 `best_hit_rate` is the window's own best possible prefix hit: every request finds every
-leading block an earlier request of the window had, in one cache that never evicts.
+leading block an earlier request of the window had, in one cache that never evicts;
+`best_within` the share of requests that cache brings under a number of computed tokens
+(the ceiling of any router's share within a TTFT SLO).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -178,12 +180,13 @@ def scaled_tokens(request: TraceRequest, options: TraceOptions) -> int:
                       block * len(request.hash_ids)))
 
 
-def best_hit_rate(requests: Iterable[TraceRequest], options: TraceOptions) -> float:
-    """Share of prompt tokens an infinite shared cache would serve (whole trace blocks,
-    the last prompt token always computed)."""
+def _best_cached(
+    requests: Iterable[TraceRequest], options: TraceOptions
+) -> Iterator[tuple[int, int]]:
+    """(prompt tokens, tokens one infinite shared cache would serve) per request: whole
+    trace blocks an earlier request had, the last prompt token always computed."""
     block = max(1, round(options.block_tokens * options.token_scale))
     seen: set[int] = set()
-    hits = total = 0
     for request in requests:
         tokens = scaled_tokens(request, options)
         matched = 0
@@ -191,10 +194,29 @@ def best_hit_rate(requests: Iterable[TraceRequest], options: TraceOptions) -> fl
             if hash_id not in seen:
                 break
             matched += 1
-        hits += min(matched * block, tokens - 1)
-        total += tokens
+        yield tokens, min(matched * block, tokens - 1)
         seen.update(request.hash_ids)
+
+
+def best_hit_rate(requests: Iterable[TraceRequest], options: TraceOptions) -> float:
+    """Share of prompt tokens an infinite shared cache would serve."""
+    hits = total = 0
+    for tokens, cached in _best_cached(requests, options):
+        hits += cached
+        total += tokens
     return hits / total if total else 0.0
+
+
+def best_within(
+    requests: Sequence[TraceRequest], options: TraceOptions, uncached_tokens: int
+) -> float:
+    """Share of requests that compute at most `uncached_tokens` with that infinite cache:
+    the most any router can bring within an SLO of that many tokens' prefill on an idle
+    pod (a prompt longer than the SLO allows and not cached misses it however it is
+    routed)."""
+    within = sum(1 for tokens, cached in _best_cached(requests, options)
+                 if tokens - cached <= uncached_tokens)
+    return within / len(requests) if requests else 0.0
 
 
 def request_specs(
@@ -243,6 +265,9 @@ class TraceWindow:
     def input_quantile(self, q: float) -> int:
         ordered = sorted(scaled_tokens(r, self.options) for r in self.requests)
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    def best_within(self, uncached_tokens: int) -> float:
+        return best_within(self.requests, self.options, uncached_tokens)
 
 
 def trace_window(path: Path, options: TraceOptions, model: str, seed: int = 0) -> TraceWindow:

@@ -21,6 +21,7 @@ from benchmarks.trace import (
     TraceOptions,
     arrivals,
     best_hit_rate,
+    best_within,
     load_trace,
     spread_buckets,
     trace_window,
@@ -88,6 +89,20 @@ def test_best_hit_rate_counts_leading_blocks_seen_before(tmp_path: Path) -> None
     assert best_hit_rate(requests, TraceOptions(token_scale=0.25)) == pytest.approx(
         256 / (250 + 75 + 350 + 128)
     )
+
+
+def test_best_within_is_the_share_any_router_could_bring_under_a_prefill_budget(
+    tmp_path: Path,
+) -> None:
+    requests = load_trace(_write(tmp_path, RECORDS))
+    # Computed with an infinite shared cache: 1000, 300, 1400 - 1024 = 376 and 512 tokens.
+    assert best_within(requests, TraceOptions(), 512) == 0.75  # all but the first
+    assert best_within(requests, TraceOptions(), 375) == 0.25  # the 300-token one only
+    assert best_within(requests, TraceOptions(), 1000) == 1.0
+    # Without the cached prefix the third request (1400 tokens) would miss 1000.
+    assert best_within(requests[2:3], TraceOptions(), 1000) == 0.0
+    window = trace_window(_write(tmp_path, RECORDS), TraceOptions(), "m")
+    assert window.best_within(window.input_quantile(0.25)) == 0.75  # 512 tokens
 
 
 def test_trace_window_builds_one_request_per_record(tmp_path: Path) -> None:

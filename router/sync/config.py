@@ -25,7 +25,7 @@ class SyncConfig:
     host_id: str
     worker: int = 0
     workers: int = 1
-    #: Directory of the workers' ipc:// sockets (one host).
+    #: Directory of the workers' sockets (one host).
     run_dir: str = field(default_factory=tempfile.gettempdir)
     #: This host's peer channel port; None: no peer replicas.
     sync_port: int | None = None
@@ -56,8 +56,9 @@ class SyncConfig:
     def enabled(self) -> bool:
         return self.workers > 1 or self.sync_port is not None
 
-    def ipc_address(self, worker: int) -> str:
-        return f"ipc://{self.run_dir}/pdgate-sync-{self.host_id}-{worker}.ipc"
+    def local_address(self, worker: int) -> str:
+        """Unix datagram socket path on which a worker receives its siblings' frames."""
+        return f"{self.run_dir}/pdgate-sync-{self.host_id}-{worker}.sock"
 
     def metrics_address(self, worker: int) -> str:
         """Unix socket path on which a worker serves its own `/metrics` to its siblings."""

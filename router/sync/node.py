@@ -1,14 +1,16 @@
 """`SyncNode`: one router process's end of the state sync (see the package docstring).
 
-Sockets (pyzmq, PUB/SUB: a slow or dead subscriber never blocks the publisher; ZMQ drops
-at the high-water mark and the sequence gap shows it):
+Channels (neither ever blocks the sender: a frame that cannot go is dropped, and the
+receiver sees the gap in the sender's sequence):
 
-- with `--workers N`, every worker binds a PUB on `ipc://<run_dir>/pdgate-sync-<host>-<i>.ipc`
-  and SUBscribes to every other worker's;
-- with peer replicas, worker 0 alone also binds a PUB on `tcp://*:<sync_port>` and
-  SUBscribes to each peer's. It relays: frames of this host's workers go out to the peers,
-  frames from the peers go on to this host's workers (unchanged bytes: origin and
-  sequence stay the sender's). So each host has one peer connection per peer host.
+- with `--workers N`, the workers of a host send each other Unix datagrams
+  (`local.py`: a socket per worker in `run_dir`; a quarter of what ZMQ over `ipc://` cost
+  per frame);
+- with peer replicas, worker 0 alone also binds a ZMQ PUB on `tcp://*:<sync_port>` and
+  SUBscribes to each peer's (ZMQ drops at the high-water mark). It relays: frames of this
+  host's workers go out to the peers, frames from the peers go on to this host's workers
+  (unchanged bytes: origin and sequence stay the sender's). So each host has one peer
+  connection per peer host.
 
 Publishing never waits: a local change (in-flight count, routed prompt, ejection, engine
 scrape) is queued and the queue goes out as ONE frame. A decision another process must
@@ -17,8 +19,9 @@ event loop; counts and scrapes within `flush_interval_s` (5 ms), so every reques
 window shares one send and in-flight counts are coalesced per pod (only the latest count
 is sent: a request that starts and ends within the window costs nothing). Flushing
 everything at the next turn sent a frame on almost every turn under load (acquire and
-release of prefill and decode happen on different turns): one ZMQ send, and one wake-up
-of every other process, each time. A heartbeat every `heartbeat_s` carries the whole
+release of prefill and decode happen on different turns): one send, and one wake-up of
+every other process, each time. A batch that would encode larger than `MAX_FRAME_BYTES`
+goes out as several frames. A heartbeat every `heartbeat_s` carries the whole
 in-flight report, so a dropped message is repaired within one heartbeat.
 
 Liveness: an origin silent for `ttl_s` is lost: its in-flight counts stop weighing on
@@ -48,6 +51,7 @@ from router.scheduling.approx_index import ApproximatePrefixIndex
 from router.scheduling.metrics_scraper import EngineLoad, EngineMetricsStore, MetricsScraper
 from router.sync import messages as m
 from router.sync.config import SyncConfig
+from router.sync.local import MAX_FRAME_BYTES, LocalChannel
 from router.sync.metrics import SyncMetrics
 from router.sync.peers import PeerDiscovery
 from router.view import ClusterView, Endpoint, Snapshot
@@ -113,7 +117,7 @@ class SyncNode:
         self._timer: asyncio.TimerHandle | None = None  # a flush in `flush_interval_s`
         self._loop: asyncio.AbstractEventLoop | None = None
         self._seq = 0
-        self._local_pub: zmq.Socket[bytes] | None = None
+        self._local: LocalChannel | None = None
         self._peer_pub: zmq.Socket[bytes] | None = None
         self._seen_pods: set[str] = set()
         inflight.listener = self._on_inflight
@@ -177,26 +181,44 @@ class SyncNode:
             batch.extend((m.INFLIGHT, k, c) for k, c in self._pending_inflight.items())
             self._pending = []
             self._pending_inflight = {}
-            self._seq += 1
-            frame = m.encode(self.origin, self.config.host_id, self._seq, batch)
-            self._send(self._local_pub, frame, len(batch))
-            # Counted once: by the local socket when there is one (a lone replica has none).
-            self._send(self._peer_pub, frame, 0 if self._local_pub is not None else len(batch))
+            self._send_batch(batch, host_only=False)
         if self._pending_host:
             batch, self._pending_host = self._pending_host, []
-            frame = m.encode(self.origin, self.config.host_id, UNSEQUENCED, batch)
-            self._send(self._local_pub, frame, len(batch))
+            self._send_batch(batch, host_only=True)
 
-    def _send(self, socket: zmq.Socket[bytes] | None, frame: bytes, count: int) -> None:
-        if socket is None:
-            return
-        try:
-            socket.send(frame, zmq.NOBLOCK)
-        except zmq.Again:  # no PUB blocks, but be sure: a full queue drops, never waits
-            self.metrics.messages.labels(direction="dropped").inc(count)
-            return
-        if count:
+    def _send_batch(self, batch: list[m.Message], host_only: bool) -> None:
+        """Encode `batch` as one frame, or as several when one would exceed
+        `MAX_FRAME_BYTES` (halved until each fits; a single message that does not fit
+        is dropped), and send each. Host-only frames carry no sequence number."""
+        seq = UNSEQUENCED if host_only else self._seq + 1
+        frame = m.encode(self.origin, self.config.host_id, seq, batch)
+        if len(frame) <= MAX_FRAME_BYTES:
+            self._seq = max(self._seq, seq)
+            self._send_frame(frame, len(batch), host_only)
+        elif len(batch) == 1:
+            log.warning("sync: a message of %d bytes is too large to send", len(frame))
+            self.metrics.messages.labels(direction="dropped").inc()
+        else:
+            half = len(batch) // 2
+            self._send_batch(batch[:half], host_only)
+            self._send_batch(batch[half:], host_only)
+
+    def _send_frame(self, frame: bytes, count: int, host_only: bool) -> None:
+        """One frame (`count` messages) to this host's workers and, unless `host_only`,
+        the peer replicas; counted sent once."""
+        if self._local is not None:
+            self._local.send(frame)
+        if not host_only and self._peer_pub is not None:
+            try:
+                self._peer_pub.send(frame, zmq.NOBLOCK)
+            except zmq.Again:  # no PUB blocks, but be sure: a full queue drops, never waits
+                self.metrics.messages.labels(direction="dropped").inc(count)
+                return
+        if self._local is not None or self._peer_pub is not None:
             self.metrics.messages.labels(direction="sent").inc(count)
+
+    def _frames_dropped(self, frames: int) -> None:
+        self.metrics.messages.labels(direction="dropped").inc(frames)
 
     def heartbeat(self) -> None:
         self._queue(self._pending, (m.HEARTBEAT, self.inflight.local_counts()))
@@ -336,28 +358,19 @@ class SyncNode:
             return s
 
         tasks: list[asyncio.Task[None]] = []
+        local: LocalChannel | None = None
         try:
-            local_sub = peer_sub = None
-            if config.workers > 1:
-                self._local_pub = pub()
-                self._local_pub.bind(config.ipc_address(config.worker))
-                local_sub = sub()
-                for worker in range(config.workers):
-                    if worker != config.worker:
-                        local_sub.connect(config.ipc_address(worker))
             if config.leader and config.sync_port is not None:
                 self._peer_pub = pub()
                 self._peer_pub.bind(f"tcp://{config.sync_host}:{config.sync_port}")
                 peer_sub = sub()
                 discovery = PeerDiscovery(config, peer_sub)
                 tasks.append(asyncio.create_task(discovery.run()))
-            if local_sub is not None:
-                relay = self._peer_pub if config.leader else None
-                tasks.append(asyncio.create_task(self._receive(local_sub, relay, False)))
-            if peer_sub is not None:
-                tasks.append(
-                    asyncio.create_task(self._receive(peer_sub, self._local_pub, True))
-                )
+                tasks.append(asyncio.create_task(self._receive_peers(peer_sub)))
+            if config.workers > 1:
+                local = LocalChannel(config, self._on_local_frame, self._frames_dropped)
+                local.open(self._loop)
+                self._local = local
             tasks.append(asyncio.create_task(self._tick()))
             self._schedule()
             await asyncio.gather(*tasks)
@@ -367,24 +380,31 @@ class SyncNode:
             for task in tasks:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
-            self._local_pub = self._peer_pub = None
+            if local is not None:
+                local.close()
+            self._local = self._peer_pub = None
             for s in sockets:
                 s.close(linger=0)
             context.term()
 
-    async def _receive(
-        self, sub: zmq.asyncio.Socket, relay: zmq.Socket[bytes] | None, from_peers: bool
-    ) -> None:
+    def _on_local_frame(self, frame: bytes) -> None:
+        """A sibling worker's frame: apply it; the leader relays it to the peer replicas."""
+        if self.apply(frame) and self._peer_pub is not None:
+            with contextlib.suppress(zmq.Again):
+                self._peer_pub.send(frame, zmq.NOBLOCK)
+                self.metrics.messages.labels(direction="relayed").inc()
+
+    async def _receive_peers(self, sub: zmq.asyncio.Socket) -> None:
+        """Peer replicas' frames: apply each, relay it to this host's other workers."""
         relayed = self.metrics.messages.labels(direction="relayed")
         # The same socket, read without waiting: drains what is queued in one wake-up.
         raw: zmq.Socket[bytes] = zmq.Socket.shadow(sub.underlying)
         while True:
             frame = await sub.recv()
             for _ in range(MAX_FRAMES_PER_WAKEUP):
-                if self.apply(frame, from_peers) and relay is not None:
-                    with contextlib.suppress(zmq.Again):
-                        relay.send(frame, zmq.NOBLOCK)
-                        relayed.inc()
+                if self.apply(frame, from_peers=True) and self._local is not None:
+                    self._local.send(frame)
+                    relayed.inc()
                 try:
                     frame = raw.recv(zmq.NOBLOCK)
                 except zmq.Again:

@@ -17,6 +17,7 @@ from router.scheduling.metrics_scraper import EngineMetricsStore, MetricsScraper
 from router.sync import SyncConfig, SyncNode
 from router.sync import messages as m
 from router.sync.exposition import merge
+from router.sync.local import MAX_FRAME_BYTES
 from router.sync.peers import parse_peers, slice_addresses
 from router.sync.workers import available_cpus, cgroup_cpus, parse_workers
 from router.view import ClusterView, Endpoint
@@ -38,7 +39,7 @@ class Node:
     """A SyncNode with its own router state, frames captured instead of sent."""
 
     def __init__(self, worker: int, clock: Clock) -> None:
-        registry = CollectorRegistry()
+        self.registry = registry = CollectorRegistry()
         self.inflight = InFlight(registry)
         self.outliers = OutlierDetector(ResilienceConfig(), clock=clock)
         self.approx = ApproximatePrefixIndex()
@@ -51,8 +52,9 @@ class Node:
         )
         self.node._endpoints = {e.key: e for e in (POD_A, POD_B)}
         self.frames: list[bytes] = []
-        self.node._send = lambda sock, frame, count: self.frames.append(frame)  # type: ignore[method-assign]
-        self.node._local_pub = object()  # type: ignore[assignment]
+        self.node._send_frame = (  # type: ignore[method-assign]
+            lambda frame, count, host_only: self.frames.append(frame)
+        )
 
     def deliver_to(self, other: Node) -> None:
         self.node.flush()
@@ -125,6 +127,24 @@ def test_routes_and_ejections_reach_the_peer(pair: tuple[Node, Node, Clock]) -> 
     one.outliers.probe_result(POD_B, ok=True)
     one.deliver_to(two)
     assert not two.outliers.is_ejected(POD_B.key)
+
+
+def test_a_batch_too_large_for_one_frame_goes_as_several(
+    pair: tuple[Node, Node, Clock],
+) -> None:
+    one, two, _ = pair
+    routes = [[(r << 32) + i for i in range(1000)] for r in range(12)]  # ~110 KB of hashes
+    for r, hashes in enumerate(routes):
+        one.approx.record((POD_A, POD_B)[r % 2].key, hashes)
+    one.node.flush()
+    assert len(one.frames) > 1 and all(len(f) <= MAX_FRAME_BYTES for f in one.frames)
+    assert [m.decode(f)[2] for f in one.frames] == list(range(1, len(one.frames) + 1))
+    one.deliver_to(two)
+    for r, hashes in enumerate(routes):
+        assert two.approx.match([POD_A.key, POD_B.key], hashes) == [[1000, 0], [0, 1000]][r % 2]
+    dropped = two.registry.get_sample_value("pdgate_sync_messages_total",
+                                            {"direction": "dropped"})
+    assert dropped == 0  # consecutive sequence numbers: no gap seen
 
 
 def test_a_restarted_origin_starts_from_nothing(pair: tuple[Node, Node, Clock]) -> None:

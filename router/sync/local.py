@@ -5,13 +5,14 @@ every frame to each sibling over a socket connected to the sibling's address. A 
 is one frame: no framing, no connection to set up or lose, and the kernel keeps each
 sender's frames in order.
 
-Why not ZMQ, which the peer channel between replicas uses (`node.py`): measured between
-two processes at 600 frames a second (120-byte frames, CPU of both processes net of the
-pacing loop alone, three rounds), a PUB/SUB frame over `ipc://` cost 210-300 µs of CPU
-(both processes' ZMQ I/O threads wake for every frame, then the receiving event loop),
-a datagram 55-70 µs (one `send`, one wake-up of the receiving loop). Workers exchange
-one or two frames per request, so this was most of what `--workers 2` cost over one
-worker at equal load.
+Why not ZMQ, which the peer channel between replicas uses (`node.py`): between two
+processes at 600 frames a second (`python -m benchmarks.sync_channel`: CPU of both
+processes net of the pacing loop alone, three rounds), a PUB/SUB frame over `ipc://`
+cost 215-233 µs of CPU (both processes' ZMQ I/O threads wake for every frame, then the
+receiving event loop), a datagram 51-65 µs (one `send`, one wake-up of the receiving
+loop). Workers exchange one or two frames per request: at 300 requests/s this was what
+`--workers 2` cost beyond two processes that share nothing
+(`benchmarks/results/2026-12-04-scale-out-datagram/`).
 
 Never waiting: a sibling whose receive queue is full (Linux queues only
 `net.unix.max_dgram_qlen` datagrams, 10 by default) makes the send fail at once; the

@@ -7,10 +7,11 @@ about a request's routed prompt and in-flight counts), the other receiving them 
 event loop; CPU of both processes (all their threads), rounds interleaved:
 
 - `pacing only`: the sender's loop paces without sending: what the others are net of;
-- `zmq ipc`: a plain PUB bound on `ipc://`, an asyncio SUB (what `router.sync` used
-  between workers until it moved to datagrams; the peer channel between replicas still
-  uses it, over TCP);
-- `datagram`: `router.sync.local.LocalChannel` on both sides.
+- `zmq asyncio`: a plain PUB bound on `ipc://`, a `zmq.asyncio` SUB (what `router.sync`
+  used between workers until it moved to datagrams, and between replicas, over TCP);
+- `zmq reader`: the same PUB, a plain SUB read from the event loop's reader callback on
+  its `ZMQ_FD` (what the peer channel between replicas does now, over TCP);
+- `datagram`: `router.sync.local.LocalChannel` on both sides (the workers of a host).
 
 Paced rather than flooded: a router sends a frame when a request gives it one, and at a
 few hundred a second each frame wakes the receiver (and, with ZMQ, both I/O threads)
@@ -21,12 +22,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import multiprocessing as mp
 import resource
 import tempfile
 from collections.abc import Callable
 from multiprocessing.queues import Queue
-from typing import Final
+from typing import Final, cast
 
 import zmq
 import zmq.asyncio
@@ -67,36 +69,47 @@ def _pacing(worker: int, run_dir: str, rate: float, seconds: float, out: Queue[R
     out.put(asyncio.run(_measure(worker, lambda frame: None, [0], rate, seconds)))
 
 
-def _zmq(worker: int, run_dir: str, rate: float, seconds: float, out: Queue[Result]) -> None:
+def _zmq(
+    worker: int, run_dir: str, rate: float, seconds: float, out: Queue[Result], reader: bool
+) -> None:
     async def main() -> Result:
         context = zmq.Context()
         pub = context.socket(zmq.PUB)
         pub.setsockopt(zmq.LINGER, 0)
         pub.bind(f"ipc://{run_dir}/zmq-{worker}.ipc")
-        sub = zmq.asyncio.Context.shadow(context).socket(zmq.SUB)
+        sub = (context if reader else zmq.asyncio.Context.shadow(context)).socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.connect(f"ipc://{run_dir}/zmq-{1 - worker}.ipc")
         received = [0]
+        raw: zmq.Socket[bytes] = zmq.Socket.shadow(sub.underlying)
+
+        def drain() -> None:  # read what is queued, as router.sync does
+            while cast(int, raw.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                raw.recv(zmq.NOBLOCK)
+                received[0] += 1
 
         async def receive() -> None:
-            raw: zmq.Socket[bytes] = zmq.Socket.shadow(sub.underlying)
             while True:
-                await sub.recv()
+                await cast(zmq.asyncio.Socket, sub).recv()
                 received[0] += 1
-                while True:  # drain what is queued, as router.sync does
-                    try:
-                        raw.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    received[0] += 1
+                drain()
 
-        task = asyncio.create_task(receive())
+        loop = asyncio.get_running_loop()
+        fd = cast(int, raw.getsockopt(zmq.FD))
+        task = None
+        if reader:
+            loop.add_reader(fd, drain)
+        else:
+            task = asyncio.create_task(receive())
         try:
             return await _measure(worker, lambda f: pub.send(f, zmq.NOBLOCK), received, rate,
                                   seconds)
         finally:
-            task.cancel()
+            if task is not None:
+                task.cancel()
+            else:
+                loop.remove_reader(fd)
             pub.close()
             sub.close()
             context.term()
@@ -124,7 +137,12 @@ def _datagram(
     out.put(asyncio.run(main()))
 
 
-CHANNELS: Final = {"pacing only": _pacing, "zmq ipc": _zmq, "datagram": _datagram}
+CHANNELS: Final[dict[str, Callable[..., None]]] = {
+    "pacing only": _pacing,
+    "zmq asyncio": functools.partial(_zmq, reader=False),
+    "zmq reader": functools.partial(_zmq, reader=True),
+    "datagram": _datagram,
+}
 
 
 def run_pair(name: str, rate: float, seconds: float) -> tuple[float, float, int, int]:

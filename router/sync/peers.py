@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any, Final
 
 import zmq
@@ -65,9 +66,15 @@ def _tcp(address: str) -> str:
 class PeerDiscovery:
     """Keeps a SUB socket connected to the current peers."""
 
-    def __init__(self, config: SyncConfig, sub: zmq.Socket[Any]) -> None:
+    def __init__(
+        self, config: SyncConfig, sub: zmq.Socket[Any],
+        on_change: Callable[[], object] | None = None,
+    ) -> None:
         self.config = config
         self.sub = sub
+        #: Called after the socket connected or disconnected: the reader must look again
+        #: (a ZMQ call can consume the edge of its `ZMQ_FD` that announced a frame).
+        self.on_change = on_change
         self.connected: set[str] = set()
 
     def set_peers(self, addresses: set[str]) -> None:
@@ -80,7 +87,10 @@ class PeerDiscovery:
         for address in sorted(addresses - self.connected):
             self.sub.connect(_tcp(address))
             log.info("sync: connecting to peer %s", address)
+        changed = addresses != self.connected
         self.connected = set(addresses)
+        if changed and self.on_change is not None:
+            self.on_change()
 
     async def run(self) -> None:
         config = self.config

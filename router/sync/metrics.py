@@ -15,8 +15,10 @@ class SyncMetrics:
         )
         self.messages = Counter(
             "pdgate_sync_messages",
-            "State-sync messages: sent, received, dropped (gaps in a peer's sequence: lost "
-            "by the transport), relayed (between this host's workers and peer replicas).",
+            "State-sync messages: sent, received, relayed (between this host's workers and "
+            "peer replicas), dropped: frames this process could not send (a sibling absent "
+            "or its backlog full) and frames missing from a peer's sequence (lost on the "
+            "way; one frame carries one or more messages).",
             ["direction"], registry=registry,
         )
         self.last_heard = Gauge(

@@ -7,19 +7,20 @@ sender's frames in order.
 
 Why not ZMQ, which the peer channel between replicas uses (`node.py`): between two
 processes at 600 frames a second (`python -m benchmarks.sync_channel`: CPU of both
-processes net of the pacing loop alone, three rounds), a PUB/SUB frame over `ipc://`
-cost 215-233 µs of CPU (both processes' ZMQ I/O threads wake for every frame, then the
-receiving event loop), a datagram 51-65 µs (one `send`, one wake-up of the receiving
-loop). Workers exchange one or two frames per request: at 300 requests/s this was what
-`--workers 2` cost beyond two processes that share nothing
-(`benchmarks/results/2026-12-04-scale-out-datagram/`).
+processes net of the pacing loop alone, two runs of three rounds), a PUB/SUB frame over
+`ipc://` read through `zmq.asyncio` cost 125-233 µs of CPU (both processes' ZMQ I/O
+threads wake for every frame, then the receiving event loop), a datagram 34-70 µs (one
+`send`, one wake-up of the receiving loop). Workers exchange one or two frames per
+request: at 300 requests/s this was what `--workers 2` cost beyond two processes that
+share nothing (`benchmarks/results/2026-12-04-scale-out-datagram/`).
 
 Never waiting: a sibling whose receive queue is full (Linux queues only
 `net.unix.max_dgram_qlen` datagrams, 10 by default) makes the send fail at once; the
 frame then waits in that sibling's backlog (at most `MAX_BACKLOG_FRAMES`, beyond which
 frames are dropped and counted) and goes out when the socket is writable again. A sibling
-not up yet, or gone, drops the frame (counted); its socket is connected afresh on the next
-send, so a restarted worker is reached again. Heartbeats repair what a drop lost.
+not up yet, or gone, drops the frame (counted). A sibling that restarted binds the same
+address: the send on the old connection fails, and the frame goes at once over a socket
+connected afresh. Heartbeats repair what a drop lost.
 """
 
 from __future__ import annotations

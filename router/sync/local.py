@@ -16,7 +16,7 @@ share nothing (`benchmarks/results/2026-12-04-scale-out-datagram/`).
 
 Never waiting: a sibling whose receive queue is full (Linux queues only
 `net.unix.max_dgram_qlen` datagrams, 10 by default) makes the send fail at once; the
-frame then waits in that sibling's backlog (at most `MAX_BACKLOG_FRAMES`, beyond which
+frame then waits in that sibling's backlog (at most `MAX_BACKLOG_BYTES`, beyond which
 frames are dropped and counted) and goes out when the socket is writable again. A sibling
 not up yet, or gone, drops the frame (counted). A sibling that restarted binds the same
 address: the send on the old connection fails, and the frame goes at once over a socket
@@ -39,8 +39,9 @@ from router.sync.config import SyncConfig
 #: the default socket send buffer (`net.core.wmem_default`, 208 KiB), which bounds a
 #: Unix datagram.
 MAX_FRAME_BYTES: Final = 64 * 1024
-#: Frames held for one sibling whose queue is full; beyond, frames are dropped.
-MAX_BACKLOG_FRAMES: Final = 1024
+#: Bytes of frames held for one sibling whose queue is full; beyond, frames are dropped
+#: (a sibling stalled for a second at 300 requests/s leaves well under 1 MiB).
+MAX_BACKLOG_BYTES: Final = 4 * 1024 * 1024
 #: Frames read in one wake-up before yielding to the event loop.
 MAX_FRAMES_PER_WAKEUP: Final = 256
 
@@ -48,12 +49,13 @@ MAX_FRAMES_PER_WAKEUP: Final = 256
 class _Sibling:
     """One other worker: its address, a socket connected to it, frames waiting for it."""
 
-    __slots__ = ("address", "backlog", "sock")
+    __slots__ = ("address", "backlog", "held_bytes", "sock")
 
     def __init__(self, address: str) -> None:
         self.address = address
         self.sock: socket.socket | None = None
         self.backlog: deque[bytes] = deque()
+        self.held_bytes = 0
 
     def close(self, loop: asyncio.AbstractEventLoop) -> None:
         if self.sock is not None:
@@ -61,6 +63,7 @@ class _Sibling:
             self.sock.close()
             self.sock = None
         self.backlog.clear()
+        self.held_bytes = 0
 
 
 class LocalChannel:
@@ -141,12 +144,13 @@ class LocalChannel:
         self.on_dropped(1)
 
     def _hold(self, sibling: _Sibling, frame: bytes) -> None:
-        if len(sibling.backlog) >= MAX_BACKLOG_FRAMES:
+        if sibling.held_bytes + len(frame) > MAX_BACKLOG_BYTES:
             self.on_dropped(1)
             return
         if not sibling.backlog and sibling.sock is not None and self._loop is not None:
             self._loop.add_writer(sibling.sock.fileno(), self._drain, sibling)
         sibling.backlog.append(frame)
+        sibling.held_bytes += len(frame)
 
     def _drain(self, sibling: _Sibling) -> None:
         """The sibling's socket is writable: send its backlog until it fills again."""
@@ -161,7 +165,7 @@ class LocalChannel:
                 self.on_dropped(len(backlog))
                 sibling.close(self._loop)
                 return
-            backlog.popleft()
+            sibling.held_bytes -= len(backlog.popleft())
         self._loop.remove_writer(sock.fileno())
 
     def _read(self) -> None:

@@ -71,11 +71,11 @@ async def test_frames_arrive_in_order_and_never_wait_on_a_full_queue(tmp_path: P
 async def test_a_full_backlog_drops_and_counts(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(local_mod, "MAX_BACKLOG_FRAMES", 5)
+    monkeypatch.setattr(local_mod, "MAX_BACKLOG_BYTES", 5 * 8)  # five 8-byte frames
     a, b = Worker(tmp_path, 0).open(), Worker(tmp_path, 1).open()
     try:
         for i in range(100):
-            a.channel.send(b"%d" % i)
+            a.channel.send(b"%08d" % i)
         assert a.dropped > 0
         await b.until(lambda: len(b.received) == 100 - a.dropped)
         numbers = [int(f) for f in b.received]

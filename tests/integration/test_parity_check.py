@@ -19,6 +19,7 @@ characters / 4 when it has none.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
@@ -39,12 +40,15 @@ from tests.integration.harness import (
     pod_manifest,
     write_yaml,
 )
+from tests.polling import eventually as _eventually
 from tests.sim_tokens import chat_ids
 
 if TYPE_CHECKING:
     from conftest import SimPod
 
 pytestmark = pytest.mark.integration
+#: The parity check probes on its own interval: wait up to 30 s, looking every 0.1 s.
+eventually = functools.partial(_eventually, within=30.0, interval=0.1)
 
 SERVERS = ("good", "skewed", "bare", "broken", "plain")
 SCHEDULER = """\
@@ -194,14 +198,6 @@ def parity(
         yield Parity(cluster, workdir)
     finally:
         cluster.stop()
-
-
-async def eventually(check: Callable[[], bool], within_s: float = 30.0) -> None:
-    deadline = time.monotonic() + within_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached")
-        await asyncio.sleep(0.1)
 
 
 def messages(question: str) -> list[dict[str, str]]:

@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -37,8 +36,11 @@ from benchmarks.sched_policies import (
 from engine_sim.kvstore import mooncake_import_error
 from router.scheduling.kv_events import PodEventStream, scope_of
 from tests.integration.harness import loopback_net, metric_values
+from tests.polling import eventually as _eventually
 
 pytestmark = pytest.mark.integration
+#: KV-event streams and router counters settle within seconds here: wait up to 10 s.
+eventually = functools.partial(_eventually, within=10.0)
 
 #: 8 system prompts x 12 questions: 96 requests; the prompts fill two prefill caches.
 WORKLOAD = SharedPrefix(groups=8, questions=12, system_tokens=1024, seed=4)
@@ -60,14 +62,6 @@ async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Pol
 
 def _caught_up(stream: PodEventStream, seq: int) -> bool:
     return stream.last_seq is not None and stream.last_seq >= seq
-
-
-async def eventually(check: Callable[[], bool], within: float = 10.0) -> None:
-    deadline = time.monotonic() + within
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached")
-        await asyncio.sleep(0.02)
 
 
 async def test_shared_prefix_prefix_cache_beats_random_and_round_robin(

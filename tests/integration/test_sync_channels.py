@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,7 @@ from router.scheduling.metrics_scraper import EngineMetricsStore, MetricsScraper
 from router.sync import SyncConfig, SyncNode
 from router.view import ClusterView, Endpoint
 from tests.integration.harness import loopback_net
+from tests.polling import eventually
 
 NET = loopback_net()
 SYNC_PORT = 5601
@@ -47,15 +47,6 @@ class Process:
         self.node._endpoints = {POD.key: POD}
 
 
-async def _until(check: Callable[[], bool], within: float = 3.0) -> None:
-    """Poll `check`: the sync has no event to wait on from outside."""
-    deadline = time.monotonic() + within
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached")
-        await asyncio.sleep(0.01)
-
-
 @pytest.fixture
 async def processes(tmp_path: Path) -> AsyncIterator[list[Process]]:
     host_a, host_b = f"{NET}.1", f"{NET}.2"
@@ -68,7 +59,7 @@ async def processes(tmp_path: Path) -> AsyncIterator[list[Process]]:
     procs = [Process(c) for c in configs]
     tasks = [asyncio.create_task(p.node.run()) for p in procs]
     try:
-        await _until(lambda: all(len(p.node.peers()) == 2 for p in procs))
+        await eventually(lambda: all(len(p.node.peers()) == 2 for p in procs))
         yield procs
     finally:
         for task in tasks:
@@ -82,9 +73,9 @@ async def test_routes_and_counts_cross_workers_and_hosts(processes: list[Process
     a0, a1, b = processes
     hashes = [101, 202, 303]
     a1.approx.record(POD.key, hashes)  # worker 1: reaches worker 0, which relays to b
-    await _until(lambda: a0.approx.match([POD.key], hashes) == [3])
-    await _until(lambda: b.approx.match([POD.key], hashes) == [3])
+    await eventually(lambda: a0.approx.match([POD.key], hashes) == [3])
+    await eventually(lambda: b.approx.match([POD.key], hashes) == [3])
     b.inflight.acquire(POD)
-    await _until(lambda: a0.inflight.get(POD) == 1 and a1.inflight.get(POD) == 1)
+    await eventually(lambda: a0.inflight.get(POD) == 1 and a1.inflight.get(POD) == 1)
     b.inflight.release(POD)
-    await _until(lambda: a0.inflight.get(POD) == 0 and a1.inflight.get(POD) == 0)
+    await eventually(lambda: a0.inflight.get(POD) == 0 and a1.inflight.get(POD) == 0)

@@ -43,6 +43,7 @@ from router.scheduling.kv_events import (
 from router.scheduling.metrics import SchedulerMetrics
 from router.scheduling.precise_index import PrecisePrefixIndex
 from tests.conftest import SimPod
+from tests.polling import eventually
 
 HOST = "127.0.0.1"
 
@@ -139,14 +140,6 @@ async def rig() -> AsyncIterator[Rig]:
     await asyncio.sleep(0.2)  # let the SUB connection and subscription settle
     yield made
     made.close()
-
-
-async def eventually(check: Callable[[], bool], within: float = 5.0) -> None:
-    deadline = time.monotonic() + within
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached")
-        await asyncio.sleep(0.01)
 
 
 def tokens(n: int, start: int = 0) -> tuple[int, ...]:

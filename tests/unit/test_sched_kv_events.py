@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -33,6 +32,7 @@ from router.scheduling.kv_wire import _decode_generic, _decode_typed
 from router.scheduling.metrics import SchedulerMetrics
 from router.scheduling.precise_index import PrecisePrefixIndex
 from router.view import Endpoint, PDGroupPods, ServerPods, Snapshot
+from tests.polling import eventually
 
 # -- vLLM's structs, as `vllm/distributed/kv_events.py` declares them -------------------------
 # Older vLLM: array_like=True (positional arrays). Newer vLLM (vllm#42892): maps.
@@ -187,14 +187,6 @@ class FakeEngine:
         self.pub.close(0)
         if self.router is not None:
             self.router.close(0)
-
-
-async def eventually(check: Callable[[], bool], within: float = 5.0) -> None:
-    deadline = time.monotonic() + within
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached")
-        await asyncio.sleep(0.01)
 
 
 class Rig:

@@ -15,6 +15,7 @@ from aiohttp import web
 from benchmarks.loadgen import LoadLimits, frozen_heap, run_closed, run_open
 from benchmarks.specs import RequestResult, RequestSpec
 from benchmarks.targets import DirectPDTarget, HTTPTarget
+from tests.local_http import serve
 
 ROLE_DELAY = 0.02  # the role-only chunk comes early ...
 CONTENT_DELAY = 0.15  # ... the first content much later: TTFT must be the latter
@@ -75,11 +76,7 @@ async def server() -> AsyncIterator[str]:
     app = web.Application()
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_post("/slow/v1/chat/completions", _slow)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
+    runner, port = await serve(app)
     yield f"http://127.0.0.1:{port}"
     await runner.cleanup()
 

@@ -12,6 +12,7 @@ from aiohttp import web
 
 from benchmarks.scale_out import Routers, Run, fast_table, fixed_table, send_at_rate, tiny_prompts
 from benchmarks.sched_policies import RequestResult
+from tests.local_http import serve
 
 EVENT = b'data: {"choices":[{"index":0,"delta":{"content":"pong"}}]}\n\ndata: [DONE]\n\n'
 
@@ -27,11 +28,7 @@ async def _start(counts: list[int], index: int) -> tuple[web.AppRunner, str]:
 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
+    runner, port = await serve(app)
     return runner, f"http://127.0.0.1:{port}"
 
 

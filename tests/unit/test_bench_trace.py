@@ -29,6 +29,7 @@ from benchmarks.trace import (
 from benchmarks.trace_bench import _HEADER, DEFAULT_POLICIES, TRACE_POLICIES
 from benchmarks.words import sim_tokenizer
 from router.scheduling.config import key_settings, parse_scheduler_config
+from tests.local_http import serve
 
 RECORDS = [  # two conversations: ids 1,2 then 1,2,3 (a prefix hit of 2 blocks), and 7
     {"timestamp": 0, "input_length": 1000, "output_length": 40, "hash_ids": [1, 2]},
@@ -134,11 +135,7 @@ async def server() -> AsyncIterator[tuple[str, list[float]]]:
     app = web.Application()
     app[ARRIVED] = []
     app.router.add_post("/v1/chat/completions", _answer)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    runner, port = await serve(app)
     try:
         yield f"http://127.0.0.1:{port}", app[ARRIVED]
     finally:

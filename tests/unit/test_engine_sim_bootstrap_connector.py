@@ -17,6 +17,7 @@ from engine_sim.bootstrap import BootstrapFault, BootstrapServer
 from kv_connectors import get_connector
 from kv_connectors.base import PDCall, UpstreamError
 from router.upstream import Upstream
+from tests.local_http import serve
 
 
 @dataclass(frozen=True)
@@ -41,10 +42,7 @@ class Prefill:
     async def start(self) -> None:
         app = web.Application()
         app.router.add_post("/v1/completions", self.complete)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
-        self.port = int(self.runner.addresses[0][1])
+        self.runner, self.port = await serve(app)
 
     async def complete(self, request: web.Request) -> web.Response:
         self.bodies.append(await request.json())
@@ -135,11 +133,9 @@ async def test_every_broken_query_is_a_retryable_bad_bootstrap(
 
 async def test_a_404_from_the_bootstrap_port_is_retryable_too(upstream: Upstream) -> None:
     """Something else on that port: the pod's fault, not the client's (no 4xx passthrough)."""
-    runner = web.AppRunner(web.Application())
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    runner, port = await serve(web.Application())
     try:
-        call = _call(int(runner.addresses[0][1]), 1)
+        call = _call(port, 1)
         with pytest.raises(UpstreamError) as caught:
             await get_connector("mooncake", "vLLM", call.annotations).start(call, upstream)
         assert caught.value.reason == "bad_bootstrap" and caught.value.retryable

@@ -19,6 +19,7 @@ from router.scheduling.metrics_scraper import (
     parse_engine_metrics,
 )
 from router.view import Endpoint, ServerPods, Snapshot
+from tests.local_http import serve
 
 VLLM = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -123,12 +124,9 @@ async def test_scraper_reads_every_pod_concurrently_and_counts_errors() -> None:
     for handler in (good, slow, broken):
         app = web.Application()
         app.router.add_get("/metrics", handler)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
+        runner, port = await serve(app)
         runners.append(runner)
-        ports.append(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+        ports.append(port)
     # A port with nothing listening.
     ports.append(1)
 
@@ -178,11 +176,7 @@ async def test_scrape_once_and_stale_values() -> None:
 
     app = web.Application()
     app.router.add_get("/metrics", sglang)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    runner, port = await serve(app)
     clock = [1000.0]
     store = EngineMetricsStore()
     scraper = MetricsScraper(store, SchedulerMetrics(CollectorRegistry()),

@@ -262,8 +262,12 @@ class TraceWindow:
         block = max(1, round(self.options.block_tokens * self.options.token_scale))
         return block * len({h for r in self.requests for h in r.hash_ids})
 
+    def input_tokens(self) -> list[int]:
+        """Each request's prompt tokens (scaled), in window order."""
+        return [scaled_tokens(r, self.options) for r in self.requests]
+
     def input_quantile(self, q: float) -> int:
-        ordered = sorted(scaled_tokens(r, self.options) for r in self.requests)
+        ordered = sorted(self.input_tokens())
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
     def best_within(self, uncached_tokens: int) -> float:

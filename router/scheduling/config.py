@@ -32,7 +32,7 @@
                 maxOverhead: 10s, maxRatio: 20.0, errorAlpha: 0.05}   # ttft_model.py
     poolView: {enabled: true, capacityTokens: 50000000}                # pool_view.py
     sloAdmission: {enabled: false, ttftTarget: 0, action: reject,      # slo.py
-                   retryAfter: 1s, maxQueueWait: 2s, queuePoll: 50ms}
+                   retryAfter: 1s, maxQueueWait: 2s, queuePoll: 50ms, lengthFactor: 0}
 
 Every section and key is optional; a missing profile gets its default (DEFAULT_PROFILES),
 a profile given replaces the default one whole. Unknown keys are errors (a typo must not
@@ -486,6 +486,8 @@ def _check(config: SchedulerConfig, source: str) -> None:
         raise SchedulerConfigError(
             f"{source}.sloAdmission.action: must be one of {', '.join(SLO_ACTIONS)}"
         )
+    if config.slo.length_factor < 0:
+        raise SchedulerConfigError(f"{source}.sloAdmission.lengthFactor: must be >= 0")
     if config.ttft_model.window < 3 or config.ttft_model.min_samples < 3:
         raise SchedulerConfigError(f"{source}.ttftModel: window and minSamples must be >= 3")
     if config.ttft_model.max_ratio < 1 or config.ttft_model.error_alpha > 1:

@@ -55,7 +55,7 @@ from router.scheduling.context import (
 from router.scheduling.filters import FILTERS, Filter
 from router.scheduling.metrics import SchedulerMetrics
 from router.scheduling.scorers import SCORERS, Scorer
-from router.scheduling.slo import SLOGate
+from router.scheduling.slo import Prediction, SLOGate
 from router.scheduling.ttft_model import PrefillFit
 from router.tokenization import ChatInputError, prompt_chars
 from router.tokenization import Endpoint as Prompt
@@ -238,6 +238,11 @@ class _Decision:
     pick: Pick
     predicted: float | None
     commit: Callable[[], None]
+    #: The request's idle TTFT: its whole prompt uncached on an idle pod (`slo.Prediction`).
+    idle_s: float = 0.0
+
+    def prediction(self) -> Prediction | None:
+        return None if self.predicted is None else Prediction(self.predicted, self.idle_s)
 
 
 def _groups_of(
@@ -435,7 +440,7 @@ class PipelineScheduler:
         decision = self._decide(server, request, avoid, layout)
         if decision is not None:
             if decision.predicted is not None and self._slo.config.enabled:
-                self._slo.check(layout.costs, decision.predicted)
+                self._slo.check(layout.costs, decision.prediction())
             decision.commit()
         observe = self.metrics.decision_pd if server.is_pd else self.metrics.decision_aggregated
         observe.observe(time.perf_counter() - started)
@@ -443,10 +448,10 @@ class PipelineScheduler:
 
     def predict(
         self, server: ServerPods, request: ScheduleRequest, avoid: frozenset[str] = frozenset()
-    ) -> float | None:
+    ) -> Prediction | None:
         """The predicted TTFT of the pods `pick` would choose now, recording nothing."""
         decision = self._decide(server, request, avoid, self._layout(server))
-        return None if decision is None else decision.predicted
+        return None if decision is None else decision.prediction()
 
     def _decide(
         self, server: ServerPods, request: ScheduleRequest, avoid: frozenset[str],
@@ -538,7 +543,8 @@ class PipelineScheduler:
                 self.metrics.predicted_aggregated.observe(predicted)
 
         pick = Pick(decode=cands.pods[index], decode_cost=costs[index])
-        return _Decision(pick, predicted, commit)
+        idle = 0.0 if predicted is None else ctx.fit.predict(ctx.prompt.token_count())
+        return _Decision(pick, predicted, commit, idle)
 
     def _pick_single(
         self,
@@ -656,11 +662,12 @@ class PipelineScheduler:
         di = self._within(dec_of, dec_costs, group, dec_profile.tolerance(ctx), rng_index)
         pair = pre_costs[pi] + weight * dec_costs[di]
         predicted: float | None = None
+        idle = 0.0
         if pre_profile.ttft and pair < GUARD_PENALTY:
-            predicted = (
-                pair + ctx.fit.predict(0.0)
-                + ctx.prompt.token_count() * ctx.cost.transfer_s_per_token
-            )
+            tokens = ctx.prompt.token_count()
+            transfer = tokens * ctx.cost.transfer_s_per_token
+            predicted = pair + ctx.fit.predict(0.0) + transfer
+            idle = ctx.fit.predict(tokens) + transfer
         ticket = self._prefill_ticket(ctx, pre, pi, report, pre_profile.uses_backlog)
         if pre_profile.ttft and pre_costs[pi] < GUARD_PENALTY:
             ctx.ready_at = ctx.now + pre_costs[pi] + ctx.fit.predict(0.0)
@@ -683,7 +690,7 @@ class PipelineScheduler:
         pick = Pick(decode=dec.pods[di], prefill=pre.pods[pi], decode_cost=dec_costs[di],
                     prefill_cost=pre_costs[pi],
                     on_prefill=None if ticket is None else ticket.done)
-        return _Decision(pick, predicted, commit)
+        return _Decision(pick, predicted, commit, idle)
 
     def _prefill_ticket(
         self, ctx: PickContext, cands: Candidates, index: int, report: _PrefixReport,

@@ -26,7 +26,15 @@ from benchmarks.trace import (
     spread_buckets,
     trace_window,
 )
-from benchmarks.trace_bench import _HEADER, DEFAULT_POLICIES, TRACE_POLICIES
+from benchmarks.trace_bench import (
+    _HEADER,
+    DEFAULT_POLICIES,
+    LENGTH_FACTOR,
+    TRACE_POLICIES,
+    TraceBenchConfig,
+    TraceSLO,
+    specs_for,
+)
 from benchmarks.words import sim_tokenizer
 from router.scheduling.config import key_settings, parse_scheduler_config
 from tests.local_http import serve
@@ -167,3 +175,20 @@ def test_every_trace_policy_loads_and_only_the_seeded_one_keys_by_engine_hashes(
     assert modes.pop("global-precise-seeded") == "hashes"
     assert set(modes.values()) == {"tokens"}
     assert set(DEFAULT_POLICIES) == set(modes)  # the seeded one is opt-in
+
+
+def test_the_length_aware_slo_holds_long_prompts_to_their_own_prefill(
+    tmp_path: Path,
+) -> None:
+    window = trace_window(_write(tmp_path, RECORDS), TraceOptions(), "m")
+    slo = TraceSLO.of(window, per_token_ms=1.0)
+    # Prompts of 1000, 300, 1400 and 512 tokens: the p90 one is 1400 tokens.
+    assert slo.flat_tokens == 1400 and slo.flat_s == pytest.approx(1.405)
+    assert slo.targets[1] == slo.flat_s  # 300 tokens: held to the flat target
+    assert slo.targets[0] == pytest.approx(LENGTH_FACTOR * 1.005)  # 2 x its own 1.005 s
+    assert min(slo.targets) >= slo.flat_s
+    # The gate of `global-slo` uses the same k.
+    (spec,) = specs_for(TraceBenchConfig(policies=("global-slo",), peers=()), 1.0, 1.405)
+    config = parse_scheduler_config(yaml.safe_load(spec.scheduler_yaml or ""))
+    assert config.slo.enabled and config.slo.length_factor == LENGTH_FACTOR
+    assert config.slo.ttft_target_s == pytest.approx(1.405, abs=1e-3)

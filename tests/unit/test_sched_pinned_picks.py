@@ -179,7 +179,8 @@ def run_scenario(
         req = make(n)
         keys = [p.key for p in server.endpoints()]
         avoid = frozenset(rng.sample(keys, 1)) if rng.random() < 0.1 else frozenset()
-        predicted = scheduler.predict(server, req, avoid) if n % 7 == 0 else None
+        prediction = scheduler.predict(server, req, avoid) if n % 7 == 0 else None
+        predicted = None if prediction is None else prediction.ttft_s
         try:
             pick = scheduler.pick(server, req, avoid)
         except APIError as exc:

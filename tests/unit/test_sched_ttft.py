@@ -14,7 +14,11 @@ from router.errors import APIError
 from router.load import InFlight
 from router.resources import ModelServer, ObjectMeta, PDGroup
 from router.scheduling import ScheduleRequest
-from router.scheduling.config import SchedulerConfig, parse_scheduler_config
+from router.scheduling.config import (
+    SchedulerConfig,
+    SchedulerConfigError,
+    parse_scheduler_config,
+)
 from router.scheduling.pool_view import (
     MAX_PENDING,
     MAX_POOL_BLOCKS,
@@ -330,3 +334,34 @@ async def test_slo_queue_action_waits_until_the_prediction_fits() -> None:
     assert rt.scheduler.pick(server, req, frozenset()) is not None
     assert registry.get_sample_value(
         "pdgate_scheduler_slo_admission_total", {"outcome": "queued"}) == 1
+
+
+def test_slo_length_factor_holds_a_long_prompt_to_its_own_prefill() -> None:
+    """A flat 1 s target refuses a prompt whose own prefill takes longer even on an idle
+    cluster; `lengthFactor: 1` admits it there and still refuses it behind a queue, and a
+    short prompt keeps the flat target."""
+    long = _request(words=40_000)
+    server = _server({})
+    flat, _ = _slo_runtime()
+    with pytest.raises(APIError) as caught:
+        flat.scheduler.pick(server, long, frozenset())  # idle pods, still "too slow"
+    assert caught.value.code == "ttft_slo"
+
+    rt, registry = _runtime(parse_scheduler_config({"sloAdmission": {
+        "enabled": True, "ttftTarget": "1s", "lengthFactor": 1.0}}))
+    assert rt.scheduler.pick(server, long, frozenset()) is not None
+    _busy(rt, server, 200)
+    with pytest.raises(APIError) as caught:
+        rt.scheduler.pick(server, _request(words=40_000, seed=3), frozenset())
+    # The refusal names the long prompt's own target (its idle TTFT), not the flat 1 s.
+    assert "target (1.00 s)" not in caught.value.message
+    with pytest.raises(APIError) as caught:
+        rt.scheduler.pick(server, _request(seed=4), frozenset())
+    assert "target (1.00 s)" in caught.value.message
+    assert registry.get_sample_value(
+        "pdgate_scheduler_slo_admission_total", {"outcome": "rejected"}) == 2
+
+
+def test_slo_length_factor_must_not_be_negative() -> None:
+    with pytest.raises(SchedulerConfigError, match="lengthFactor"):
+        parse_scheduler_config({"sloAdmission": {"lengthFactor": -1}})

@@ -153,6 +153,8 @@ class TraceRun:
     slo_s: float
     #: Share of all requests within the length-aware SLO (`TraceSLO.targets`).
     within_length_slo: float
+    #: Requests answered 429 (`global-slo`'s early rejection; counted as outside the SLOs).
+    refused: int
     local_hit: float
     store_hit: float
     best_hit: float
@@ -331,6 +333,7 @@ async def _one_router(
             1 for r in load.results
             if r.ok and r.ttft is not None and r.ttft <= slo.targets[r.session]
         ) / max(1, len(sessions)),
+        refused=sum(1 for r in load.results if r.status == 429),
         local_hit=delta.get("vllm:prefix_cache_hits", 0.0) / queries if queries else 0.0,
         store_hit=(delta.get("vllm:external_prefix_cache_hits", 0.0) / queries
                    if queries else 0.0),
@@ -364,8 +367,9 @@ def render(results: list[tuple[dict[str, Any], list[TraceRun]]]) -> str:
             f"`{setup['prefill_flags']}`.", "",
             "| router | TTFT mean | p50 | p90 | p99 (s) | within SLO | within length-aware "
             "SLO | hit local + store | of best | router CPU (s) | peak RSS (MB) | ok "
-            "| load avg |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            "| refused (429) | load avg |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- "
+            "| --- |",
         ]
         for r in runs:
             hit = r.local_hit + r.store_hit
@@ -376,7 +380,7 @@ def render(results: list[tuple[dict[str, Any], list[TraceRun]]]) -> str:
                 f"| {100 * r.local_hit:.1f}% + {100 * r.store_hit:.1f}% "
                 f"| {100 * hit / r.best_hit if r.best_hit else 0:.0f}% "
                 f"| {'-' if r.router_cpu_s is None else f'{r.router_cpu_s:.1f}'} "
-                f"| {_fmt_mb(r.peak_rss)} | {r.ok}/{r.requests} "
+                f"| {_fmt_mb(r.peak_rss)} | {r.ok}/{r.requests} | {r.refused} "
                 f"| {r.load_before:.1f}->{r.load_after:.1f} |"
             )
         lines.append("")

@@ -32,7 +32,9 @@ from benchmarks.trace_bench import (
     LENGTH_FACTOR,
     TRACE_POLICIES,
     TraceBenchConfig,
+    TraceRun,
     TraceSLO,
+    render,
     specs_for,
 )
 from benchmarks.words import sim_tokenizer
@@ -192,3 +194,20 @@ def test_the_length_aware_slo_holds_long_prompts_to_their_own_prefill(
     config = parse_scheduler_config(yaml.safe_load(spec.scheduler_yaml or ""))
     assert config.slo.enabled and config.slo.length_factor == LENGTH_FACTOR
     assert config.slo.ttft_target_s == pytest.approx(1.405, abs=1e-3)
+
+
+def test_the_report_states_both_slos_and_the_refusals() -> None:
+    setup = {"trace": "t", "start": 0, "requests": 4, "duration_s": 6.0, "time_scale": 1.0,
+             "token_scale": 1.0, "groups": 2, "prefill_ms_per_token": 1.0, "slo_s": 1.405,
+             "slo_ceiling": 0.75, "length_factor": 2.0, "best_hit_rate": 0.2,
+             "sim_flags": "", "prefill_flags": ""}
+    run = TraceRun(trace="t", router="pdgate (global-slo)", requests=4, ok=3,
+                   ttfts=[0.5, 1.0, 1.9], slo_s=1.405, within_length_slo=0.75, refused=1,
+                   local_hit=0.1, store_hit=0.1, best_hit=0.2, router_cpu_s=1.0,
+                   peak_rss=None, wall_s=6.0, load_before=0.0, load_after=0.0)
+    text = render([(setup, [run])])
+    assert "no router can bring more than 75.0%" in text
+    assert "2x the request's own uncached prefill" in text
+    row = next(line for line in text.splitlines() if line.startswith("| pdgate"))
+    # within the flat SLO: 2 of 4 (the 429 counts as a miss); length-aware 75%; 1 refused
+    assert "| 50.0% | 75.0% |" in row and "| 3/4 | 1 |" in row

@@ -273,6 +273,13 @@ class TraceWindow:
     def best_within(self, uncached_tokens: int) -> float:
         return best_within(self.requests, self.options, uncached_tokens)
 
+    def best_uncached_quantile(self, q: float) -> int:
+        """The q-quantile of the tokens each request computes with one infinite shared
+        cache: with its prefill time, a floor under the TTFT q-quantile of any router
+        that answers every request (each TTFT is at least its own prefill)."""
+        ordered = sorted(t - c for t, c in _best_cached(self.requests, self.options))
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
 
 def trace_window(path: Path, options: TraceOptions, model: str, seed: int = 0) -> TraceWindow:
     requests = load_trace(path, options.start, options.window)

@@ -114,6 +114,9 @@ def test_best_within_is_the_share_any_router_could_bring_under_a_prefill_budget(
     assert best_within(requests[2:3], TraceOptions(), 1000) == 0.0
     window = trace_window(_write(tmp_path, RECORDS), TraceOptions(), "m")
     assert window.best_within(window.input_quantile(0.25)) == 0.75  # 512 tokens
+    # The same computed tokens, ordered: 300, 376, 512, 1000.
+    assert [window.best_uncached_quantile(q) for q in (0.0, 0.3, 0.6, 0.9)] == [
+        300, 376, 512, 1000]
 
 
 def test_trace_window_builds_one_request_per_record(tmp_path: Path) -> None:
@@ -200,6 +203,7 @@ def test_the_report_states_both_slos_and_the_refusals() -> None:
     setup = {"trace": "t", "start": 0, "requests": 4, "duration_s": 6.0, "time_scale": 1.0,
              "token_scale": 1.0, "groups": 2, "prefill_ms_per_token": 1.0, "slo_s": 1.405,
              "slo_ceiling": 0.75, "length_factor": 2.0, "best_hit_rate": 0.2,
+             "p90_floor_s": 1.005,
              "sim_flags": "", "prefill_flags": ""}
     run = TraceRun(trace="t", router="pdgate (global-slo)", requests=4, ok=3,
                    ttfts=[0.5, 1.0, 1.9], slo_s=1.405, within_length_slo=0.75, refused=1,
@@ -208,6 +212,7 @@ def test_the_report_states_both_slos_and_the_refusals() -> None:
     text = render([(setup, [run])])
     assert "no router can bring more than 75.0%" in text
     assert "2x the request's own uncached prefill" in text
+    assert "TTFT p90 floor 1.00 s" in text
     row = next(line for line in text.splitlines() if line.startswith("| pdgate"))
     # within the flat SLO: 2 of 4 (the 429 counts as a miss); length-aware 75%; 1 refused
     assert "| 50.0% | 75.0% |" in row and "| 3/4 | 1 |" in row

@@ -365,3 +365,17 @@ def test_slo_length_factor_holds_a_long_prompt_to_its_own_prefill() -> None:
 def test_slo_length_factor_must_not_be_negative() -> None:
     with pytest.raises(SchedulerConfigError, match="lengthFactor"):
         parse_scheduler_config({"sloAdmission": {"lengthFactor": -1}})
+
+
+async def test_slo_queue_action_does_not_hold_a_long_prompt_that_fits_its_own_target() -> None:
+    rt, registry = _runtime(parse_scheduler_config({"sloAdmission": {
+        "enabled": True, "ttftTarget": "1s", "lengthFactor": 1.0, "action": "queue",
+        "maxQueueWait": "50ms", "queuePoll": "10ms"}}))
+    server = _server({})
+    await rt.scheduler.prepare(server, _request(words=40_000))  # idle pods: no wait
+    assert registry.get_sample_value(
+        "pdgate_scheduler_slo_admission_total", {"outcome": "queued"}) == 0
+    _busy(rt, server, 200)
+    await rt.scheduler.prepare(server, _request(words=40_000, seed=1))  # held, then let go
+    assert registry.get_sample_value(
+        "pdgate_scheduler_slo_admission_total", {"outcome": "queued"}) == 1

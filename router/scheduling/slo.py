@@ -8,16 +8,19 @@ pool + transfer, `pipeline.py`) is beyond the target, the request is not sent:
 - `action: reject`: a 429 OpenAI error (`code: ttft_slo`) with `Retry-After` = how far
   the prediction is over the target, rounded up, at least `retryAfter`; nothing was
   dispatched, so no counter moves and the pods' queues do not grow;
+- `action: queue`: the request waits (in `prepare`, before `pick`), re-predicting every
+  `queuePoll`, until the prediction fits or `maxQueueWait` runs out (then the 429).
+  Queueing predicts once more per poll (a dry run of the pick), so it costs CPU only while
+  the server is over its target.
+
+The target may grow with the prompt:
+
 - `lengthFactor` k > 0 (default 0: one target for every prompt): a request's target is
   max(target, k x its idle TTFT), the idle TTFT being what its whole prompt would take
   uncached on an idle pod (the calibrated prefill curve, plus the PD transfer). A flat
   target turns away every prompt whose own prefill is longer than the target even on an
   idle cluster; with k the long prompts are held to their own length instead (k = 1: no
   wait beyond computing the prompt; a service's "a long document may take longer").
-- `action: queue`: the request waits (in `prepare`, before `pick`), re-predicting every
-  `queuePoll`, until the prediction fits or `maxQueueWait` runs out (then the 429).
-  Queueing predicts once more per poll (a dry run of the pick), so it costs CPU only while
-  the server is over its target.
 
 Only `ttft`-unit profiles predict a TTFT; with `score` units the gate admits everything.
 Counted in `pdgate_scheduler_slo_admission_total{outcome}` (admitted, rejected, queued).

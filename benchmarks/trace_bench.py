@@ -123,30 +123,31 @@ class TraceBenchConfig:
     peers: tuple[str, ...] = PEERS
 
 
+def idle_prefill_s(tokens: int, per_token_ms: float) -> float:
+    """What computing `tokens` takes on an idle simulated pod."""
+    return (PREFILL_OVERHEAD_MS + tokens * per_token_ms) / 1e3
+
+
 @dataclass(frozen=True, slots=True)
 class TraceSLO:
     """The report's two TTFT SLOs for one window (module docstring)."""
 
+    per_token_ms: float
     flat_tokens: int
     flat_s: float
     #: The length-aware target of each request, in window order (seconds).
     targets: tuple[float, ...]
 
-    per_token_ms: float
-
     def prefill_s(self, tokens: int) -> float:
-        """What computing `tokens` takes on an idle pod."""
-        return (PREFILL_OVERHEAD_MS + tokens * self.per_token_ms) / 1e3
+        return idle_prefill_s(tokens, self.per_token_ms)
 
     @classmethod
     def of(cls, window: TraceWindow, per_token_ms: float) -> TraceSLO:
-        base = cls(0, 0.0, (), per_token_ms)
         flat_tokens = window.input_quantile(0.9)
-        flat = base.prefill_s(flat_tokens)
-        targets = tuple(
-            max(flat, LENGTH_FACTOR * base.prefill_s(t)) for t in window.input_tokens()
-        )
-        return cls(flat_tokens, flat, targets, per_token_ms)
+        flat = idle_prefill_s(flat_tokens, per_token_ms)
+        targets = tuple(max(flat, LENGTH_FACTOR * idle_prefill_s(t, per_token_ms))
+                        for t in window.input_tokens())
+        return cls(per_token_ms, flat_tokens, flat, targets)
 
 
 @dataclass(slots=True)

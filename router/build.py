@@ -33,6 +33,7 @@ COMPILED_SOURCES: tuple[str, ...] = (
     "router/scheduling/precise_index.py",
     "router/scheduling/scorers/__init__.py",
     "router/scheduling/scorers/base.py",
+    "router/scheduling/scorers/cache_pressure.py",
     "router/scheduling/scorers/kv_cache_usage.py",
     "router/scheduling/scorers/least_request.py",
     "router/scheduling/scorers/precise_prefix_cache.py",

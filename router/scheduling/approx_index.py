@@ -198,6 +198,20 @@ class ApproximatePrefixIndex:
         get = depths.get
         return [get(slot, 0) for slot in slots]
 
+    def overflow(self, keys: Sequence[str], total: int, held: Sequence[int]) -> list[int]:
+        """Blocks each pod in `keys` would evict to take a prompt of `total` blocks of
+        which it holds the leading `held[i]`: what its LRU would exceed its bound by."""
+        lrus, caps = self._lru, self._caps
+        out: list[int] = []
+        for key, have in zip(keys, held, strict=True):
+            lru = lrus.get(key)
+            cap = caps.get(key)
+            if cap is None:
+                cap = self.capacity_of(key)
+            extra = (0 if lru is None else len(lru)) + total - have - cap
+            out.append(extra if extra > 0 else 0)
+        return out
+
     def blocks_of(self, key: str) -> int:
         lru = self._lru.get(key)
         return 0 if lru is None else len(lru)

@@ -10,6 +10,7 @@
           - {type: prefix-cache, weight: 1.0}
           - {type: least-request, weight: 1.0}
           - {type: queue, weight: 0.5, threshold: 32}
+          - {type: cache-pressure, weight: 1.0}
         picker: {tieTolerance: 0.05, cacheSimilarity: 0.1,
                  guard: {absolute: 8, relative: 2.0}}
       decode: ...                         # the decode pod, within the prefill pod's group
@@ -217,6 +218,7 @@ DEFAULT_PROFILES: Final[Mapping[str, ProfileConfig]] = {
             component("scorer", "prefix-cache", 1.0),
             component("scorer", "least-request", 1.0),
             component("scorer", "queue", 0.5),
+            component("scorer", "cache-pressure", 1.0),
         ),
     ),
     "decode": ProfileConfig(
@@ -236,6 +238,7 @@ DEFAULT_PROFILES: Final[Mapping[str, ProfileConfig]] = {
             component("scorer", "least-request", 1.0),
             component("scorer", "queue", 0.5),
             component("scorer", "kv-cache-usage", 1.0),
+            component("scorer", "cache-pressure", 1.0),
         ),
     ),
 }

@@ -21,6 +21,7 @@ from router.scheduling.filters import NotEjectedFilter, NotSaturatedFilter, Read
 from router.scheduling.metrics_scraper import EngineLoad
 from router.scheduling.runtime import SchedulerRuntime
 from router.scheduling.scorers import (
+    CachePressureScorer,
     KVCacheUsageScorer,
     LeastRequestScorer,
     PrecisePrefixCacheScorer,
@@ -150,6 +151,58 @@ def test_prefix_cache_score_is_the_matched_fraction() -> None:
     assert ctx.compute_tokens is not None
     assert ctx.compute_tokens[1] == pytest.approx(tokens * (1 - total * block))
     assert ctx.compute_tokens[1] > 0
+
+
+def test_cache_pressure_charges_a_move_what_it_evicts() -> None:
+    rt = runtime()
+    server = aggregated("a", "b", "c")
+    ctx = context(rt, server, request())
+    hashes = ctx.prompt.approx_hashes()
+    total = len(hashes)
+    for key in ("default/a", "default/b", "default/c"):
+        rt.approx.set_capacity_tokens(key, 1)  # the smallest bound: MIN_BLOCKS_PER_POD
+    cap = rt.approx.capacity_of("default/a")
+    filler = iter(range(10**6, 2 * 10**6))
+    rt.approx.record("default/a", [next(filler) for _ in range(cap - total)] + hashes)
+    rt.approx.record("default/b", [next(filler) for _ in range(cap)])  # full, of others
+    rt.approx.record("default/c", [next(filler) for _ in range(cap - total)])  # has room
+    assert rt.approx.blocks_of("default/a") == rt.approx.blocks_of("default/b") == cap
+    scorer = CachePressureScorer(1.0, rt.deps, {})
+    cands = candidates(rt, list(server.aggregated))
+    # a holds the prompt, c has room for it: neither evicts; b evicts the whole prompt.
+    assert scorer.score(ctx, cands) == [1.0, 0.0, 1.0]
+    rendered = ctx.prompt.rendered()
+    assert rendered is not None
+    per_block = ctx.prompt.token_count() * ctx.prompt.approx_block_bytes / len(rendered)
+    expected = total * per_block * CostModel().prefill_s_per_token
+    assert scorer.scale_s(ctx, cands) == pytest.approx(expected)
+    # A prompt nobody holds, on pods that are all full: every pod evicts as much.
+    rt.approx.record("default/c", [next(filler) for _ in range(total)])
+    cold = context(rt, server, request(system="Another long system prompt. " * 200))
+    assert scorer.score(cold, cands) == [1.0, 1.0, 1.0]
+    assert scorer.scale_s(cold, cands) == 0.0
+
+
+def test_a_warm_prompt_stays_on_its_busy_full_pod_rather_than_evict_another_prompt() -> None:
+    """Without `cache-pressure` a few requests in flight on the warm pod send the prompt to
+    an idle pod, whose full cache then evicts another prompt; the default stays."""
+    without = parse_scheduler_config({"profiles": {"aggregated": {"scorers": [
+        {"type": "prefix-cache"}, {"type": "least-request"},
+        {"type": "queue", "weight": 0.5}, {"type": "kv-cache-usage"}]}}})
+    for config, expected in ((SchedulerConfig(), "a"), (without, "b")):
+        rt = runtime(config)
+        server = aggregated("a", "b")
+        a, b = server.aggregated
+        req = request()
+        hashes = context(rt, server, req).prompt.approx_hashes()
+        filler = iter(range(10**6, 2 * 10**6))
+        for key in (a.key, b.key):
+            rt.approx.set_capacity_tokens(key, 1)  # the smallest bound: MIN_BLOCKS_PER_POD
+        cap = rt.approx.capacity_of(a.key)
+        rt.approx.record(a.key, [next(filler) for _ in range(cap - len(hashes))] + hashes)
+        rt.approx.record(b.key, [next(filler) for _ in range(cap)])  # another prompt's
+        busy(rt, a, 6)
+        assert name_of(rt, server, request(question="And of Spain?")) == expected
 
 
 def test_precise_prefix_cache_counts_store_hits_at_a_factor() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Final
 
 from router.scheduling.scorers.base import ConfigError, Param, Scorer
+from router.scheduling.scorers.cache_pressure import CachePressureScorer
 from router.scheduling.scorers.kv_cache_usage import KVCacheUsageScorer
 from router.scheduling.scorers.least_request import LeastRequestScorer
 from router.scheduling.scorers.precise_prefix_cache import PrecisePrefixCacheScorer
@@ -20,6 +21,7 @@ SCORERS: Final[dict[str, type[Scorer]]] = {
     for cls in (
         PrefixCacheScorer,
         PrecisePrefixCacheScorer,
+        CachePressureScorer,
         LeastRequestScorer,
         PrefillBacklogScorer,
         QueueScorer,
@@ -32,6 +34,7 @@ SCORERS: Final[dict[str, type[Scorer]]] = {
 
 __all__ = [
     "SCORERS",
+    "CachePressureScorer",
     "ConfigError",
     "KVCacheUsageScorer",
     "LeastRequestScorer",

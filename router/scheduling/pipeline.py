@@ -22,7 +22,9 @@ One decision (`PipelineScheduler.pick`):
    O(prefill pods + decode pods), not their product.
 5. Ties: every candidate (or group) whose cost is within `tieTolerance` of the best
    (x one mean prefill time in ttft unit) is equally good; one is drawn with the
-   scheduler's `random.Random` (injectable, seedable), never by list order.
+   scheduler's `random.Random` (injectable, seedable), never by list order; for a prompt
+   no candidate holds a block of, by its first block's hash (`_tie_breaker`), so that
+   routers sharing state send the same new prompt to the same pod.
 6. Dispatch bookkeeping: scorers see the chosen pod (`picked`: the approximate index
    records the prompt, session affinity remembers the pod), the prefix-cache hit
    counters are bumped for the chosen prefill/aggregated pod, the running mean of
@@ -307,6 +309,25 @@ def _nothing() -> None:
     """The commit of a decision that records nothing."""
 
 
+def _tie_breaker(
+    ctx: PickContext, report: _PrefixReport, rng_index: Callable[[int], int]
+) -> Callable[[int], int]:
+    """How ties are drawn: at random, except for a prompt no candidate holds a block of,
+    whose first approximate block's hash picks among the tied. Routers that share state
+    through `router.sync` (workers, replicas) learn where a prompt went a few ms late;
+    seeing the same idle candidates, they still send the same new prompt to the same pod
+    instead of leaving it cached twice (in one process the second request sees the first's
+    record anyway)."""
+    depths = report.approx_depths
+    if not depths or max(depths) > 0:
+        return rng_index
+    hashes = ctx.prompt.approx_hashes()
+    if not hashes:
+        return rng_index
+    seed = hashes[0]
+    return lambda n: seed % n
+
+
 def _choose(rng_index: Callable[[int], int], costs: Sequence[float], tolerance: float) -> int:
     best = min(costs)
     limit = best + tolerance
@@ -525,7 +546,8 @@ class PipelineScheduler:
         costs = profile.costs(ctx, cands)
         report = _take_report(ctx)
         guarded = profile.guard(cands, costs)
-        index = _choose(self.deps.rng.randrange, costs, profile.tolerance(ctx))
+        ties = _tie_breaker(ctx, report, self.deps.rng.randrange)
+        index = _choose(ties, costs, profile.tolerance(ctx))
         predicted = (
             costs[index] + ctx.fit.predict(0.0)
             if profile.ttft and costs[index] < GUARD_PENALTY
@@ -653,11 +675,12 @@ class PipelineScheduler:
                 else (best_pre[name] + weight * dcost) / (1.0 + weight)
             )
         rng_index = self.deps.rng.randrange
+        ties = _tie_breaker(ctx, report, rng_index)
         tolerance = pre_profile.tolerance(ctx)
-        group = names[_choose(rng_index, pair_costs, tolerance)]
+        group = names[_choose(ties, pair_costs, tolerance)]
 
         ctx.role = "prefill"
-        pi = self._within(pre_of, pre_costs, group, tolerance, rng_index)
+        pi = self._within(pre_of, pre_costs, group, tolerance, ties)
         ctx.role = "decode"
         di = self._within(dec_of, dec_costs, group, dec_profile.tolerance(ctx), rng_index)
         pair = pre_costs[pi] + weight * dec_costs[di]

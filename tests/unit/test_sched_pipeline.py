@@ -205,6 +205,30 @@ def test_a_warm_prompt_stays_on_its_busy_full_pod_rather_than_evict_another_prom
         assert name_of(rt, server, request(question="And of Spain?")) == expected
 
 
+def test_a_new_prompt_goes_to_the_same_pod_whatever_the_routers_random_draws() -> None:
+    """Workers and replicas hear of each other's picks a few ms late: among idle pods they
+    must still agree where a prompt nobody holds goes, or it ends up cached twice."""
+    servers = {"aggregated": aggregated("a", "b", "c", "d"),
+               "pd": pd_server({f"g{i}": ([f"p{i}"], [f"d{i}"]) for i in range(4)})}
+    for kind, server in servers.items():
+        chosen = {name_of(runtime(seed=seed), server, request()) for seed in range(8)}
+        assert len(chosen) == 1, kind
+        # Different new prompts still spread over the pods.
+        spread = {name_of(runtime(seed=0), server, request(system=f"System {i}. " * 90))
+                  for i in range(16)}
+        assert len(spread) >= 3, kind
+    # A prompt some pod holds is not subject to it: equal holders are drawn at random.
+    server = servers["aggregated"]
+    holders = set()
+    for seed in range(8):
+        rt = runtime(seed=seed)
+        hashes = context(rt, server, request()).prompt.approx_hashes()
+        for key in ("default/a", "default/b"):
+            rt.approx.record(key, hashes)
+        holders.add(name_of(rt, server, request()))
+    assert holders == {"a", "b"}
+
+
 def test_precise_prefix_cache_counts_store_hits_at_a_factor() -> None:
     rt = runtime()
     server = pd_server({"g": (["p1", "p2"], ["d1"])})

@@ -365,6 +365,16 @@ class PromptInfo:
     def approx_block_bytes(self) -> int:
         return self._block_bytes
 
+    def tokens_per_approx_block(self) -> float:
+        """The prompt tokens one approximate block covers: its share of the rendered bytes
+        (so a full match still leaves the tail after the last full block to compute)."""
+        data = self.rendered()
+        tokens = float(self.token_count())
+        if data:
+            return tokens * self._block_bytes / len(data)
+        total = len(self.approx_hashes())
+        return tokens / total if total else 0.0
+
 
 T = TypeVar("T")
 

@@ -7,7 +7,7 @@
 - U_p, C_p = blocks pod p's approximate index holds and its bound (`ApproximatePrefixIndex`,
         sized from the engine's KV capacity): a pod at its bound evicts one block, the
         least recently used, for every block a prompt adds;
-- t   = tokens a block covers (as `prefix-cache` counts them);
+- t   = tokens a block covers (`PromptInfo.tokens_per_approx_block`, as `prefix-cache`);
 - e   = seconds to get an evicted token back: the prefill curve's cost per token, or the
         pull from the server's shared KV pool when it has one and that is faster.
 
@@ -51,9 +51,7 @@ class CachePressureScorer(Scorer):
         low, high = min(evicted), max(evicted)
         if high == low:  # the common case: no pod at its bound, or all evict as much
             return [1.0] * len(evicted)
-        data = ctx.prompt.rendered()
-        tokens = float(ctx.prompt.token_count())
-        per_block = tokens * ctx.prompt.approx_block_bytes / len(data) if data else 0.0
+        per_block = ctx.prompt.tokens_per_approx_block()
         per_token = ctx.fit.coefficients.b
         costs = ctx.server_costs
         if costs.pool.enabled:

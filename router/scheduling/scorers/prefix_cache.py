@@ -52,10 +52,9 @@ def approximate_scores(
     if not ctx.ttft_unit:
         return [(d + factor * max(0, pooled - d)) / total for d in depths]
     tokens = float(ctx.prompt.token_count())
-    # The tokens one block covers: a full match still leaves the prompt's tail (the bytes
-    # after its last full block) to compute, so a hit is never counted as free.
-    data = ctx.prompt.rendered()
-    per_block = tokens * ctx.prompt.approx_block_bytes / len(data) if data else tokens / total
+    # A full match still leaves the prompt's tail (the bytes after its last full block) to
+    # compute, so a hit is never counted as free.
+    per_block = ctx.prompt.tokens_per_approx_block()
     local = [d * per_block for d in depths]
     reach = [max(d, pooled) * per_block for d in depths] if pooled else local
     return ctx.prefix_scores(tokens, local, reach)

@@ -198,19 +198,17 @@ class ApproximatePrefixIndex:
         get = depths.get
         return [get(slot, 0) for slot in slots]
 
-    def overflow(self, keys: Sequence[str], total: int, held: Sequence[int]) -> list[int]:
-        """Blocks each pod in `keys` would evict to take a prompt of `total` blocks of
-        which it holds the leading `held[i]`: what its LRU would exceed its bound by."""
+    def occupancy(self, keys: Sequence[str]) -> tuple[list[int], list[int]]:
+        """(blocks held, bound) of each pod in `keys`, in the order of `keys`."""
         lrus, caps = self._lru, self._caps
-        out: list[int] = []
-        for key, have in zip(keys, held, strict=True):
+        used: list[int] = []
+        bounds: list[int] = []
+        for key in keys:
             lru = lrus.get(key)
             cap = caps.get(key)
-            if cap is None:
-                cap = self.capacity_of(key)
-            extra = (0 if lru is None else len(lru)) + total - have - cap
-            out.append(extra if extra > 0 else 0)
-        return out
+            used.append(0 if lru is None else len(lru))
+            bounds.append(cap if cap is not None else self.capacity_of(key))
+        return used, bounds
 
     def blocks_of(self, key: str) -> int:
         lru = self._lru.get(key)

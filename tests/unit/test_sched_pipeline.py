@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import time
 from collections import Counter
@@ -108,6 +109,13 @@ def busy(rt: SchedulerRuntime, endpoint: Endpoint, count: int) -> None:
         rt.deps.inflight.acquire(endpoint)
 
 
+def bound(rt: SchedulerRuntime, key: str, blocks: int) -> None:
+    """Size a pod's approximate index to `blocks` (as its engine's KV capacity would)."""
+    index = rt.approx
+    index.set_capacity_tokens(key, math.ceil(blocks * index.block_bytes / index.chars_per_token))
+    assert index.capacity_of(key) == blocks
+
+
 def engine(rt: SchedulerRuntime, endpoint: Endpoint, **fields: Any) -> None:
     rt.engines.put(endpoint.key, EngineLoad(at=time.monotonic() + 3600, **fields))
 
@@ -203,6 +211,59 @@ def test_a_warm_prompt_stays_on_its_busy_full_pod_rather_than_evict_another_prom
         rt.approx.record(b.key, [next(filler) for _ in range(cap)])  # another prompt's
         busy(rt, a, 6)
         assert name_of(rt, server, request(question="And of Spain?")) == expected
+
+
+def test_cache_pressure_charges_a_new_prompt_the_room_it_uses_up() -> None:
+    """G_p: on a pod holding more than the emptiest candidate, a new prompt's blocks use
+    up room (at most its own blocks), weighted by how full the pod would be."""
+    rt = runtime()
+    server = aggregated("a", "b", "c")
+    ctx = context(rt, server, request(system="A new system prompt. " * 200))
+    total = len(ctx.prompt.approx_hashes())
+    for key in ("default/a", "default/b", "default/c"):
+        rt.approx.set_capacity_tokens(key, 1)  # the smallest bound: MIN_BLOCKS_PER_POD
+    cap = rt.approx.capacity_of("default/a")
+    assert cap >= 4 * total
+    filler = iter(range(10**6, 2 * 10**6))
+    rt.approx.record("default/a", [next(filler) for _ in range(2 * total)])
+    rt.approx.record("default/b", [next(filler) for _ in range(total // 2)])
+    scorer = CachePressureScorer(1.0, rt.deps, {})
+    cands = candidates(rt, list(server.aggregated))
+    # Nobody is at its bound, so nothing is evicted now. a: min(B, 2B - 0) x 3B / cap;
+    # b: min(B, B/2) x (B + B/2) / cap; c: the emptiest, 0.
+    room_a = total * 3 * total / cap
+    room_b = (total // 2) * (total + total // 2) / cap
+    assert scorer.score(ctx, cands) == pytest.approx([0.0, 1 - room_b / room_a, 1.0])
+    per_token = ctx.fit.coefficients.b
+    expected = room_a * ctx.prompt.tokens_per_approx_block() * per_token
+    assert scorer.scale_s(ctx, cands) == pytest.approx(expected)
+
+
+def test_a_new_prompt_starts_on_the_emptier_cache_once_caches_fill() -> None:
+    """Two pods with room for six prompts each, holding five and four: a new prompt goes
+    to the one holding four even with a request in flight there. Nothing is evicted either
+    way yet (O = 0), but on the other it would fill the cache, and the next new prompt
+    there evicts a warm one (the `shared-prefix` bench's 6 / 4 splits). While the caches
+    are nearly empty, room is given away freely and load decides."""
+    without = parse_scheduler_config({"profiles": {"aggregated": {"scorers": [
+        {"type": "prefix-cache"}, {"type": "least-request"},
+        {"type": "queue", "weight": 0.5}, {"type": "kv-cache-usage"}]}}})
+    prompt = request(system="Group 10. " + "A new system prompt. " * 200)
+    for config, nearly_full, expected in ((SchedulerConfig(), True, "b"),
+                                          (without, True, "a"),
+                                          (SchedulerConfig(), False, "a")):
+        rt = runtime(config)
+        server = aggregated("a", "b")
+        a, b = server.aggregated
+        total = len(context(rt, server, prompt).prompt.approx_hashes())
+        filler = iter(range(10**6, 2 * 10**6))
+        if nearly_full:  # room for six prompts of this size
+            for key in (a.key, b.key):
+                bound(rt, key, 6 * total)
+        rt.approx.record(a.key, [next(filler) for _ in range(5 * total)])
+        rt.approx.record(b.key, [next(filler) for _ in range(4 * total)])
+        busy(rt, b, 1)
+        assert name_of(rt, server, prompt) == expected
 
 
 def test_a_new_prompt_goes_to_the_same_pod_whatever_the_routers_random_draws() -> None:

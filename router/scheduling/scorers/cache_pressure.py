@@ -1,23 +1,37 @@
 """`cache-pressure`: a pod that would evict less cached prefix to take the prompt is better.
 
-    E_p = max(0, U_p + (B - m_p) - C_p) x t x e          (blocks evicted, in seconds)
-    s_p = (E_max - E_p) / (E_max - E_min)                 (s_p = 1 for every pod when equal)
+    n_p = B - m_p                                       (blocks the pick adds to pod p)
+    O_p = max(0, U_p + n_p - C_p)                       (blocks it evicts at once)
+    G_p = min(n_p, U_p - U_min) x min(1, (U_p + n_p) / C_p)   (room it uses up, see below)
+    E_p = max(O_p, G_p) x t x e                          (in seconds)
+    s_p = (E_max - E_p) / (E_max - E_min)                (s_p = 1 for every pod when equal)
 
 - B   = the prompt's approximate blocks, m_p = those pod p already holds (`prefix-cache`);
 - U_p, C_p = blocks pod p's approximate index holds and its bound (`ApproximatePrefixIndex`,
         sized from the engine's KV capacity): a pod at its bound evicts one block, the
-        least recently used, for every block a prompt adds;
+        least recently used, for every block a prompt adds; U_min = the least any
+        candidate holds;
 - t   = tokens a block covers (`PromptInfo.tokens_per_approx_block`, as `prefix-cache`);
 - e   = seconds to get an evicted token back: the prefill curve's cost per token, or the
         pull from the server's shared KV pool when it has one and that is faster.
 
 ttft scale: E_max - E_min, so w x scale x (1 - s_p) = E_p - E_min: the recompute a pick
-causes beyond the least any candidate causes. A cold prompt on pods that are all full
-costs every candidate the same (no preference); a warm prompt costs its own pod only its
-tail and any other pod the whole prompt's worth of someone else's cache. That is what
-the other scorers do not see: moving a warm prompt to an idle pod to save a queue wait
-leaves it cached twice, and the copy's evictions come back as misses of other prompts
-(benchmarks/HISTORY.md, "Shared-prefix: a group kept on two pods").
+causes beyond the least any candidate causes.
+
+O_p is what a full pod evicts now. A warm prompt costs its own pod only its tail and any
+other full pod the whole prompt's worth of someone else's cache: moving it to an idle pod
+to save a queue wait leaves it cached twice, and the copy's evictions come back as misses
+of other prompts (benchmarks/HISTORY.md, "Shared-prefix: a group kept on two pods").
+
+G_p is what a pod that is not full yet gives up. Where a new prompt lands, its followers
+go (`prefix-cache` keeps them there), so its blocks stay in that pod's working set; put
+on a pod holding U_p - U_min more blocks than the emptiest candidate, they fill it that
+much sooner, and once the caches are full that pod evicts them, or another prompt, while
+the emptier one would not have. vLLM Router's and SGLang's `cache_aware` send a prompt
+that matches no worker to the one with the smallest tree for this reason; here it is a
+cost, so it weighs against load instead of overriding it: at most the prompt's own
+blocks, weighted by how full the pod would be (an almost empty cache gives room away
+freely; pods that are all full hold as much, U_p = U_min, and G is 0).
 """
 
 from __future__ import annotations
@@ -47,9 +61,22 @@ class CachePressureScorer(Scorer):
         depths = ctx.approx_depths
         if depths is None or len(depths) != len(cands.keys):
             depths = approx.match(cands.keys, hashes)
-        evicted = approx.overflow(cands.keys, total, depths)
+        used, bounds = approx.occupancy(cands.keys)
+        least = min(used)
+        evicted: list[float] = []
+        for i in range(len(used)):  # indexed, not zip: this runs in every pick (compiled)
+            held = used[i]
+            adds = total - depths[i]
+            after = held + adds
+            bound = bounds[i]
+            room = adds if adds < held - least else held - least
+            if after >= bound:  # full after the pick: O counts, and G at fill factor 1
+                now = after - bound
+                evicted.append(float(now if now > room else room))
+            else:
+                evicted.append(room * after / bound)
         low, high = min(evicted), max(evicted)
-        if high == low:  # the common case: no pod at its bound, or all evict as much
+        if high - low < 1.0:  # the common case: less than a block apart (e.g. all pods full)
             return [1.0] * len(evicted)
         per_block = ctx.prompt.tokens_per_approx_block()
         per_token = ctx.fit.coefficients.b
@@ -57,7 +84,7 @@ class CachePressureScorer(Scorer):
         if costs.pool.enabled:
             per_token = min(per_token, costs.pull_s_per_token)
         self._span_s = (high - low) * per_block * per_token
-        span = float(high - low)
+        span = high - low
         return [(high - e) / span for e in evicted]
 
     def scale_s(self, ctx: PickContext, cands: Candidates) -> float:

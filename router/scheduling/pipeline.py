@@ -23,8 +23,9 @@ One decision (`PipelineScheduler.pick`):
 5. Ties: every candidate (or group) whose cost is within `tieTolerance` of the best
    (x one mean prefill time in ttft unit) is equally good; one is drawn with the
    scheduler's `random.Random` (injectable, seedable), never by list order; for a prompt
-   no candidate holds a block of, by its first block's hash (`_tie_breaker`), so that
-   routers sharing state send the same new prompt to the same pod.
+   no candidate holds a block of, by rendezvous hashing over the tied candidates' names
+   seeded with its first block's hash (`_tie_breaker`), so that routers sharing state
+   send the same new prompt to the same pod.
 6. Dispatch bookkeeping: scorers see the chosen pod (`picked`: the approximate index
    records the prompt, session affinity remembers the pod), the prefix-cache hit
    counters are bumped for the chosen prefill/aggregated pod, the running mean of
@@ -40,7 +41,9 @@ import time
 from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
+
+import xxhash
 
 from router.scheduling import Pick, ScheduleRequest
 from router.scheduling.backlog import PrefillBacklog
@@ -309,30 +312,59 @@ def _nothing() -> None:
     """The commit of a decision that records nothing."""
 
 
+_xxh3 = xxhash.xxh3_64_intdigest
+#: A prompt's block hash as an xxh3 seed (an unsigned 64-bit integer).
+_SEED_MASK: Final = (1 << 64) - 1
+#: Draws one of the tied candidates: (tied indices, every candidate's label) -> index.
+Draw = Callable[[list[int], Sequence[str | None]], int]
+
+
+def _at_random(rng_index: Callable[[int], int]) -> Draw:
+    """Ties drawn with the scheduler's `random.Random`."""
+    return lambda ties, labels: ties[rng_index(len(ties))]
+
+
 def _tie_breaker(
     ctx: PickContext, report: _PrefixReport, rng_index: Callable[[int], int]
-) -> Callable[[int], int]:
+) -> Draw:
     """How ties are drawn: at random, except for a prompt no candidate holds a block of,
-    whose first approximate block's hash picks among the tied. Routers that share state
-    through `router.sync` (workers, replicas) learn where a prompt went a few ms late;
-    seeing the same idle candidates, they still send the same new prompt to the same pod
-    instead of leaving it cached twice (in one process the second request sees the first's
-    record anyway)."""
+    which goes to the tied candidate ranked first for it by rendezvous hashing (highest
+    xxh3 of the candidate's name, seeded with the prompt's first approximate block hash).
+
+    Routers that share state through `router.sync` (workers, replicas) learn where a
+    prompt went a few ms late: in the meantime each has placed its own requests, so their
+    tied sets may differ by a pod one of them just made busy. A rendezvous ranking is the
+    same whatever the set: both still send the prompt to the same pod unless the pod only
+    one of them sees as tied is the prompt's first choice (an index drawn modulo the number
+    of ties, as before, agreed only by chance once the sets differed). Different prompts
+    rank the pods differently, so new prompts still spread. In one process the second
+    request sees the first's record anyway."""
     depths = report.approx_depths
     if not depths or max(depths) > 0:
-        return rng_index
+        return _at_random(rng_index)
     hashes = ctx.prompt.approx_hashes()
     if not hashes:
-        return rng_index
-    seed = hashes[0]
-    return lambda n: seed % n
+        return _at_random(rng_index)
+    seed = hashes[0] & _SEED_MASK
+
+    def rendezvous(ties: list[int], labels: Sequence[str | None]) -> int:
+        best, top = ties[0], -1
+        for i in ties:
+            rank = _xxh3((labels[i] or "").encode(), seed)
+            if rank > top:
+                best, top = i, rank
+        return best
+
+    return rendezvous
 
 
-def _choose(rng_index: Callable[[int], int], costs: Sequence[float], tolerance: float) -> int:
+def _choose(
+    draw: Draw, costs: Sequence[float], tolerance: float, labels: Sequence[str | None]
+) -> int:
     best = min(costs)
     limit = best + tolerance
     ties = [i for i, c in enumerate(costs) if c <= limit]
-    return ties[0] if len(ties) == 1 else ties[rng_index(len(ties))]
+    return ties[0] if len(ties) == 1 else draw(ties, labels)
 
 
 class PipelineScheduler:
@@ -547,7 +579,7 @@ class PipelineScheduler:
         report = _take_report(ctx)
         guarded = profile.guard(cands, costs)
         ties = _tie_breaker(ctx, report, self.deps.rng.randrange)
-        index = _choose(ties, costs, profile.tolerance(ctx))
+        index = _choose(ties, costs, profile.tolerance(ctx), cands.keys)
         predicted = (
             costs[index] + ctx.fit.predict(0.0)
             if profile.ttft and costs[index] < GUARD_PENALTY
@@ -589,7 +621,7 @@ class PipelineScheduler:
         ctx.role = "decode" if server.is_pd else "aggregated"
         cands = self._narrow(ctx, profile, pods, keys, avoid, 2)
         loads = cands.loads()
-        index = _choose(self.deps.rng.randrange, loads, 0.0)
+        index = _choose(_at_random(self.deps.rng.randrange), loads, 0.0, cands.keys)
         return _Decision(Pick(decode=cands.pods[index], decode_cost=loads[index]), None, _nothing)
 
     # -- prefill/decode pairs -----------------------------------------------------------------
@@ -677,12 +709,13 @@ class PipelineScheduler:
         rng_index = self.deps.rng.randrange
         ties = _tie_breaker(ctx, report, rng_index)
         tolerance = pre_profile.tolerance(ctx)
-        group = names[_choose(ties, pair_costs, tolerance)]
+        group = names[_choose(ties, pair_costs, tolerance, names)]
 
         ctx.role = "prefill"
-        pi = self._within(pre_of, pre_costs, group, tolerance, ties)
+        pi = self._within(pre_of, pre_costs, group, tolerance, ties, pre.keys)
         ctx.role = "decode"
-        di = self._within(dec_of, dec_costs, group, dec_profile.tolerance(ctx), rng_index)
+        di = self._within(dec_of, dec_costs, group, dec_profile.tolerance(ctx),
+                          _at_random(rng_index), dec.keys)
         pair = pre_costs[pi] + weight * dec_costs[di]
         predicted: float | None = None
         idle = 0.0
@@ -746,12 +779,13 @@ class PipelineScheduler:
         costs: list[float],
         group: str | None,
         tolerance: float,
-        rng_index: Callable[[int], int],
+        draw: Draw,
+        labels: Sequence[str | None],
     ) -> int:
         members = [i for i, name in enumerate(groups) if name == group]
         best = min(map(costs.__getitem__, members))
         ties = [i for i in members if costs[i] <= best + tolerance]
-        return ties[0] if len(ties) == 1 else ties[rng_index(len(ties))]
+        return ties[0] if len(ties) == 1 else draw(ties, labels)
 
     # -- bookkeeping --------------------------------------------------------------------------
 

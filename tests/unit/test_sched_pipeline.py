@@ -131,6 +131,13 @@ def name_of(rt: SchedulerRuntime, server: ServerPods, req: ScheduleRequest) -> s
     return pick.decode.pod_name
 
 
+def computes_on(rt: SchedulerRuntime, server: ServerPods, req: ScheduleRequest) -> str:
+    """The pod that computes the prompt: the prefill pod of a PD pick, else the pod."""
+    pick = rt.scheduler.pick(server, req, frozenset())
+    assert pick is not None
+    return (pick.prefill or pick.decode).pod_name
+
+
 # -- scorer formulas ---------------------------------------------------------------------------
 
 
@@ -288,6 +295,30 @@ def test_a_new_prompt_goes_to_the_same_pod_whatever_the_routers_random_draws() -
             rt.approx.record(key, hashes)
         holders.add(name_of(rt, server, request()))
     assert holders == {"a", "b"}
+
+
+def test_routers_that_see_one_pod_busier_still_agree_where_a_new_prompt_goes() -> None:
+    """Two routers before they hear of each other's picks: one has just sent a request to
+    pod a (busy in its view only). For a new prompt whose first choice among all pods is
+    not a, both must pick the same pod (rendezvous ranking); only where a is the first
+    choice may they differ."""
+    for kind, server in (
+        ("aggregated", aggregated("a", "b", "c", "d")),
+        ("pd", pd_server({f"g{i}": ([f"p{i}"], [f"d{i}"]) for i in range(4)})),
+    ):
+        busy_pod = server.aggregated[0] if kind == "aggregated" else server.groups[0].prefill[0]
+        agreed = compared = 0
+        for i in range(24):
+            prompt = request(system=f"Tenant {i} system prompt. " * 90)
+            idle, loaded = runtime(seed=1), runtime(seed=2)
+            busy(loaded, busy_pod, 1)
+            here, there = computes_on(idle, server, prompt), computes_on(loaded, server, prompt)
+            assert there != busy_pod.pod_name, kind  # the busy pod is not among its ties
+            if here != busy_pod.pod_name:
+                compared += 1
+                agreed += here == there
+        assert compared >= 12, kind
+        assert agreed == compared, kind
 
 
 def test_precise_prefix_cache_counts_store_hits_at_a_factor() -> None:

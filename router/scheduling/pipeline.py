@@ -336,9 +336,9 @@ def _tie_breaker(
     tied sets may differ by a pod one of them just made busy. A rendezvous ranking is the
     same whatever the set: both still send the prompt to the same pod unless the pod only
     one of them sees as tied is the prompt's first choice (an index drawn modulo the number
-    of ties, as before, agreed only by chance once the sets differed). Different prompts
-    rank the pods differently, so new prompts still spread. In one process the second
-    request sees the first's record anyway."""
+    of ties would agree only by chance once the sets differ). Different prompts rank the
+    pods differently, so new prompts still spread. In one process the second request sees
+    the first's record anyway."""
     depths = report.approx_depths
     if not depths or max(depths) > 0:
         return _at_random(rng_index)

@@ -28,7 +28,11 @@ How each setup is measured, and why (each was a cause of the earlier figures):
   workers) over the measured requests only.
 
 Reported per setup and workload: prefix hit rate at the prefill engines, the best
-possible, TTFT p50/p90, router CPU per request, errors. Then, unless `--no-fast`,
+possible, TTFT p50/p90, router CPU per request, errors, and the prompts computed on more
+than one prefill pod (a shared-prefix system prompt, a multi-round chat: each such prompt
+was computed again, a miss one process seldom has), with 2 replicas also how many of them
+the two routers' first requests already sent to different pods (from the pods pdgate
+names in its response headers). Then, unless `--no-fast`,
 throughput with `--fast` pods and tiny prompts (the router is the bottleneck): requests
 per second and CPU per request of each setup, and their ratio to one process. And the
 same tiny requests open loop at `--fixed-rate` (a rate no setup is saturated at): CPU per
@@ -89,6 +93,49 @@ MAX_POOL_ATTEMPTS: Final = 50
 
 #: A multi-round chat: a session is the list of its rounds, sent one after the other.
 Session = list[Prompt]
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where one request went: its prompt's group (a shared-prefix system prompt, a
+    multi-round chat), the router URL it was sent to (index), the prefill pod that
+    computed it (None: failed)."""
+
+    group: int
+    router: int
+    prefill: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Splits:
+    """Prompts whose requests were computed on more than one prefill pod."""
+
+    prompts: int
+    split: int
+    #: Of those, the ones whose first request through each router went to different
+    #: pods (the routers disagreed from the start, rather than one moving it later);
+    #: None with one router URL (the workers of one port cannot be told apart).
+    apart: int | None
+
+    def __add__(self, other: Splits) -> Splits:
+        apart = (None if self.apart is None or other.apart is None
+                 else self.apart + other.apart)
+        return Splits(self.prompts + other.prompts, self.split + other.split, apart)
+
+
+def split_prompts(placements: Sequence[Placement], routers: int) -> Splits:
+    """Count the prompts computed on more than one prefill pod (each such prompt was
+    computed twice: a miss one process, which sees every pick, would not have had)."""
+    pods: dict[int, set[str]] = {}
+    first: dict[int, dict[int, str]] = {}
+    for p in placements:
+        if p.prefill is None:
+            continue
+        pods.setdefault(p.group, set()).add(p.prefill)
+        first.setdefault(p.group, {}).setdefault(p.router, p.prefill)
+    split = [g for g, held in pods.items() if len(held) > 1]
+    apart = sum(1 for g in split if len(set(first[g].values())) > 1)
+    return Splits(len(pods), len(split), apart if routers > 1 else None)
 
 
 class _PodsOnly(PolicyCluster):
@@ -250,8 +297,10 @@ class Run:
     seconds: float = 0.0
     #: Router CPU seconds the same processes spend in as long without traffic.
     idle_cpu_s: float = 0.0
+    splits: Splits = Splits(0, 0, 0)
 
     def add(self, other: Run) -> None:
+        self.splits += other.splits
         self.idle_cpu_s += other.idle_cpu_s
         self.results += other.results
         self.hit_tokens += other.hit_tokens
@@ -295,10 +344,11 @@ class Run:
 
 async def send(
     routers: Routers, sessions: Sequence[Session], salt: str, concurrency: int,
-    max_tokens: int = 4, model: str = MODEL,
+    max_tokens: int = 4, model: str = MODEL, placements: list[Placement] | None = None,
 ) -> tuple[list[RequestResult], float, float]:
     """`sessions` (closed loop, `concurrency` sessions at a time; a session's rounds in
-    order); request n goes to URL n mod the URLs. (results, seconds, router CPU seconds)."""
+    order); request n goes to URL n mod the URLs. (results, seconds, router CPU seconds);
+    each request's `Placement` is appended to `placements` when given."""
     results: list[RequestResult] = []
     todo = list(reversed(sessions))
     sent = 0
@@ -309,9 +359,13 @@ async def send(
             session = todo.pop()
             for prompt in session:
                 n, sent = sent, sent + 1
-                url = routers.urls[n % len(routers.urls)]
+                router = n % len(routers.urls)
                 pool = routers.pools[n % len(routers.pools)]
-                results.append(await stream_chat(pool, url, prompt.body(model, max_tokens, salt)))
+                result = await stream_chat(pool, routers.urls[router],
+                                           prompt.body(model, max_tokens, salt))
+                results.append(result)
+                if placements is not None:
+                    placements.append(Placement(prompt.group, router, result.prefill))
 
     cpu0 = routers.cpu()
     client0 = time.process_time()
@@ -348,11 +402,14 @@ async def measure(
     salt: str, concurrency: int,
 ) -> Run:
     hits0, queries0, _ = await cluster.prefix_counters()
-    results, seconds, cpu = await send(routers, sessions, salt, concurrency)
+    placements: list[Placement] = []
+    results, seconds, cpu = await send(routers, sessions, salt, concurrency,
+                                       placements=placements)
     hits1, queries1, _ = await cluster.prefix_counters()
     best_hits, best_total = best_hit_tokens([p for s in sessions for p in s])
     return Run(routers.setup, workload, results, hits1 - hits0, queries1 - queries0,
-               best_hits, best_total, cpu, seconds)
+               best_hits, best_total, cpu, seconds,
+               splits=split_prompts(placements, len(routers.urls)))
 
 
 def workloads(args: argparse.Namespace) -> dict[str, list[Session]]:
@@ -407,7 +464,8 @@ async def bench_workloads(args: argparse.Namespace, workdir: Path) -> dict[tuple
                         print(f"  round {round_index + 1} {setup} {name}: hit "
                               f"{run.hit_rate:.1%}, TTFT p50/p90 {1e3 * run.ttft(0.5):.0f}/"
                               f"{1e3 * run.ttft(0.9):.0f} ms, CPU "
-                              f"{1e3 * run.cpu_per_request:.2f} ms/request, {run.errors} errors "
+                              f"{1e3 * run.cpu_per_request:.2f} ms/request, {run.errors} errors, "
+                              f"{split_text(run.splits)} prompts on 2+ pods "
                               f"(quiet after {quiet:.1f} s)", flush=True)
                         await settle(routers)
                 finally:
@@ -468,10 +526,18 @@ async def bench_fast(
     return pooled, fixed
 
 
+def split_text(splits: Splits) -> str:
+    """Like "2 of 24"; with how many two routers placed apart from the start, "2 of 24 (1
+    apart)"."""
+    text = f"{splits.split} of {splits.prompts}"
+    return text if not splits.split or splits.apart is None else f"{text} ({splits.apart} apart)"
+
+
 def workload_table(pooled: dict[tuple[str, str], Run]) -> str:
     lines = ["| workload | setup | prefix hit rate | best possible | TTFT p50 (ms) "
-             "| TTFT p90 (ms) | p90 vs one process | router CPU ms / request | errors |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| TTFT p90 (ms) | p90 vs one process | router CPU ms / request | errors "
+             "| prompts on 2+ pods |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name in ("shared-prefix", "multi-round"):
         base = pooled.get(("one process", name))
         for setup in SETUPS:
@@ -482,7 +548,7 @@ def workload_table(pooled: dict[tuple[str, str], Run]) -> str:
             lines.append(
                 f"| {name} | {setup} | {run.hit_rate:.1%} | {run.best_hit_rate:.1%} "
                 f"| {1e3 * run.ttft(0.5):.0f} | {1e3 * run.ttft(0.9):.0f} | {ratio:.2f}x "
-                f"| {1e3 * run.cpu_per_request:.2f} | {run.errors} |"
+                f"| {1e3 * run.cpu_per_request:.2f} | {run.errors} | {split_text(run.splits)} |"
             )
     return "\n".join(lines)
 

@@ -1,5 +1,6 @@
 """`benchmarks.scale_out`: the open loop of its fixed-rate part (`send_at_rate`, against
-two loopback SSE servers standing in for two router URLs) and its tables' ratios."""
+two loopback SSE servers standing in for two router URLs), the count of prompts computed
+on more than one prefill pod, and its tables' ratios."""
 
 from __future__ import annotations
 
@@ -10,8 +11,20 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from benchmarks.scale_out import Routers, Run, fast_table, fixed_table, send_at_rate, tiny_prompts
-from benchmarks.sched_policies import RequestResult
+from benchmarks.scale_out import (
+    Placement,
+    Routers,
+    Run,
+    Splits,
+    fast_table,
+    fixed_table,
+    send,
+    send_at_rate,
+    split_prompts,
+    tiny_prompts,
+    workload_table,
+)
+from benchmarks.sched_policies import Prompt, RequestResult
 from tests.local_http import serve
 
 EVENT = b'data: {"choices":[{"index":0,"delta":{"content":"pong"}}]}\n\ndata: [DONE]\n\n'
@@ -20,8 +33,11 @@ EVENT = b'data: {"choices":[{"index":0,"delta":{"content":"pong"}}]}\n\ndata: [D
 async def _start(counts: list[int], index: int) -> tuple[web.AppRunner, str]:
     async def chat(request: web.Request) -> web.StreamResponse:
         counts[index] += 1
-        await request.read()
-        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        body = await request.json()
+        # As pdgate names the pods it chose; here: router 0 computes group 1 on p0.
+        pod = f"p{index}" if "Group 1" in body["messages"][0]["content"] else "p1"
+        response = web.StreamResponse(headers={"content-type": "text/event-stream",
+                                               "x-pdgate-prefill-pod": pod})
         await response.prepare(request)
         await response.write(EVENT)
         return response
@@ -68,3 +84,36 @@ def test_tables_give_each_setup_against_one_process() -> None:
     assert fixed[3].startswith("| --workers 2 | 100 | 0.80 | 1.60x | 0.60 | 1.50x |")
     fast = fast_table({"one process": one, "--workers 2": two}).splitlines()
     assert fast[3].startswith("| --workers 2 | 100 | 1.00x | 0.80 | 1.60x | 0.60 | 1.50x | 2.0% |")
+
+
+def test_a_prompt_on_two_pods_is_split_and_apart_when_the_routers_disagreed_first() -> None:
+    placements = [
+        Placement(0, 0, "p1"), Placement(0, 1, "p1"), Placement(0, 0, "p1"),  # one pod
+        Placement(1, 1, "p2"), Placement(1, 0, "p1"), Placement(1, 1, "p1"),  # apart
+        Placement(2, 0, "p1"), Placement(2, 1, "p1"), Placement(2, 0, "p2"),  # moved later
+        Placement(3, 0, "p1"), Placement(3, 1, None),  # a failed request is no placement
+    ]
+    assert split_prompts(placements, routers=2) == Splits(prompts=4, split=2, apart=1)
+    assert split_prompts(placements, routers=1) == Splits(prompts=4, split=2, apart=None)
+    assert Splits(8, 1, 1) + Splits(8, 2, 0) == Splits(16, 3, 1)
+    assert Splits(8, 1, 1) + Splits(8, 2, None) == Splits(16, 3, None)
+
+
+async def test_send_records_where_each_prompt_went(two_urls: tuple[Routers, list[int]]) -> None:
+    routers, _ = two_urls
+    prompts = [[Prompt(g, (("system", f"Group {g}."), ("user", f"q{n}")))]
+               for n, g in enumerate([0, 1, 0, 1])]
+    placements: list[Placement] = []
+    results, _, _ = await send(routers, prompts, "s", 1, placements=placements)
+    assert [r.status for r in results] == [200] * 4
+    # One client: request n went to URL n mod 2; group 1 through router 1 reached p1,
+    # through router 0 p0 (the servers above), so group 1 is split, apart from the start.
+    assert placements == [Placement(0, 0, "p1"), Placement(1, 1, "p1"),
+                          Placement(0, 0, "p1"), Placement(1, 1, "p1")]
+    placements = []
+    await send(routers, prompts[1:], "s", 1, placements=placements)
+    assert placements[0] == Placement(1, 0, "p0")
+    run = Run("2 replicas", "shared-prefix", results,
+              splits=split_prompts([*placements, Placement(1, 1, "p1")], 2))
+    table = workload_table({("2 replicas", "shared-prefix"): run}).splitlines()
+    assert table[2].endswith("| 1 of 2 (1 apart) |")

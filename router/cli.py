@@ -153,7 +153,7 @@ def _add_connection_flags(serve: argparse.ArgumentParser) -> None:
 def _add_scale_flags(serve: argparse.ArgumentParser) -> None:
     """Flags of `router.sync`: workers on this host, peer replicas (README "Running more
     than one")."""
-    from router.sync.config import DEFAULT_HEARTBEAT_S, DEFAULT_TTL_S
+    from router.sync.config import DEFAULT_HEARTBEAT_S, DEFAULT_PLACE_TIMEOUT_S, DEFAULT_TTL_S
 
     group = serve.add_argument_group("running more than one")
     add = group.add_argument
@@ -170,6 +170,9 @@ def _add_scale_flags(serve: argparse.ArgumentParser) -> None:
         help="seconds of silence after which a peer is lost and its in-flight counts expire")
     add("--sync-heartbeat", type=float, default=DEFAULT_HEARTBEAT_S,
         help="seconds between heartbeats to the peers")
+    add("--sync-place-timeout", type=float, default=DEFAULT_PLACE_TIMEOUT_S,
+        help="seconds a new prompt waits for the leader process to place it before this "
+             "one does (0: every process places its own new prompts)")
 
 
 def _sync_config(args: argparse.Namespace, namespace: str | None) -> SyncConfig | None:
@@ -187,6 +190,7 @@ def _sync_config(args: argparse.Namespace, namespace: str | None) -> SyncConfig 
         peers=parse_peers(args.peers), peer_service=args.peer_service, namespace=namespace,
         kubeconfig=args.kubeconfig, own_address=os.environ.get("POD_IP"),
         heartbeat_s=args.sync_heartbeat, ttl_s=args.sync_ttl,
+        place_timeout_s=args.sync_place_timeout,
     )
     config.validate()
     return config if config.enabled else None

@@ -81,6 +81,11 @@ class InFlight:
         else:
             self._remote.pop(key, None)
 
+    def add_remote(self, origin: str, key: str) -> None:
+        """Count one more request of `origin` on `key` before it reports it (a placement
+        this process made for it); its next report of `key` sets the true count."""
+        self.set_remote(origin, key, self._by_origin.get(origin, {}).get(key, 0) + 1)
+
     def replace_remote(self, origin: str, counts: dict[str, int]) -> None:
         """`origin`'s whole report (its heartbeat): pods it no longer names count zero."""
         for key in [k for k in self._by_origin.get(origin, {}) if k not in counts]:

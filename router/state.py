@@ -6,18 +6,20 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 from prometheus_client import CollectorRegistry, generate_latest
 
 from router.config_watch import ConfigWatch
+from router.errors import APIError
 from router.load import InFlight
 from router.metrics import RouterMetrics
 from router.proxy import Proxy
 from router.resilience import Resilience, ResilienceConfig
-from router.scheduling import Scheduler
+from router.scheduling import Scheduler, ScheduleRequest
 from router.scheduling.runtime import build_scheduler
 from router.security import Security, SecurityConfig
 from router.sources.base import Source
@@ -81,6 +83,9 @@ class AppState:
             approx=self.scheduler_runtime.approx, engines=self.scheduler_runtime.engines,
             scraper=self.scheduler_runtime.scraper, view=self.view, registry=self.registry,
         )
+        if self.sync is not None:  # new prompts are placed by the sync's leader
+            self.sync.placer = self._place_for_peer
+            self.scheduler_runtime.deps.place = self.sync.place
         #: `--workers N`: this worker's metrics for its siblings, and theirs for a scrape.
         self.worker_metrics = (
             WorkerMetrics(config.sync, self.render_metrics)
@@ -92,6 +97,30 @@ class AppState:
         self.warm = False
         self._tasks: list[asyncio.Task[None]] = []
         self.view.subscribe(self._on_snapshot)
+
+    def _place_for_peer(
+        self, asker: str, server: str, model: str, path: str, flow: str,
+        body: Mapping[str, Any],
+    ) -> tuple[str, ...] | None:
+        """As the sync's leader, pick the pods for another process's new prompt (as for a
+        request of its own: recorded in the index) and count the request on them for
+        `asker` until its own count arrives. None: unknown server, no pod, or refused by
+        the SLO gate (the asker then decides, and gates, itself)."""
+        namespace, _, name = server.partition("/")
+        pods = self.view.snapshot.servers.get((namespace, name))
+        if pods is None:
+            return None
+        try:
+            pick = self.scheduler.pick(
+                pods, ScheduleRequest(model, path, dict(body), {}, flow=flow), frozenset()
+            )
+        except APIError:
+            return None
+        if pick is None:
+            return None
+        for endpoint in pick.endpoints:
+            self.inflight.add_remote(asker, endpoint.key)
+        return tuple(endpoint.key for endpoint in pick.endpoints)
 
     def _on_snapshot(self, snapshot: Snapshot) -> None:
         self.inflight.forget_absent(set(snapshot.endpoints()))

@@ -36,6 +36,9 @@ class ScheduleRequest:
     tokens: Sequence[int] | None = None
     flow: str = "pd"
     leading: tuple[int, LeadingBlocks] | None = None
+    #: The pods another router process (the sync's leader) chose for this new prompt's
+    #: request (`prepare`); `pick` keeps to them while they are candidates.
+    placed: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Final, Generic, Literal, TypeVar
+from typing import Any, Final, Generic, Literal, TypeVar
 
 from router.kvhash.keyspace import KeySpace
 from router.load import InFlight
@@ -214,6 +214,13 @@ class SchedulerDeps:
     backlog: PrefillBacklog = field(default_factory=PrefillBacklog)
     #: Approximate block hashes with a memo of the leading messages' blocks.
     approx_hasher: ApproximateHasher = field(default_factory=ApproximateHasher)
+    #: Asks the router process that places new prompts (`router.sync`'s leader) where this
+    #: one should go: (server key, model, path, flow, body) -> pod keys, or None to place
+    #: it here. None: this process places every prompt itself.
+    place: (
+        Callable[[str, str, str, str, Mapping[str, Any]], Awaitable[tuple[str, ...] | None]]
+        | None
+    ) = None
 
 
 class PromptInfo:

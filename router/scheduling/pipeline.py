@@ -435,6 +435,31 @@ class PipelineScheduler:
             await self._slo.wait(
                 self._layout(server).costs, lambda: self.predict(server, request)
             )
+        place = self.deps.place
+        if place is not None and request.placed is None and self._is_new(server, request):
+            request.placed = await place(
+                "/".join(server.server.meta.key), request.model, request.path, request.flow,
+                request.body,
+            )
+
+    def _is_new(self, server: ServerPods, request: ScheduleRequest) -> bool:
+        """Whether no candidate holds a block of this request's prompt, by the approximate
+        index, for a pick the approximate prefix scorer takes part in (see `router.sync`:
+        where such a prompt starts is the leader's decision)."""
+        pd = server.is_pd
+        if request.flow == "single" or (pd and request.flow == "generate"):
+            return False
+        profiles = self._profiles
+        profile = profiles.prefill if pd else profiles.aggregated
+        if not profile.config.uses("prefix-cache"):
+            return False
+        approx = profiles.config.approximate_index
+        hashes = PromptInfo(
+            request, self.deps.hasher, approx.block_bytes, approx.max_prompt_blocks,
+            approx.chars_per_token, server.server, self.deps.approx_hasher,
+        ).approx_hashes()
+        keys = self._layout(server).keys
+        return bool(hashes) and bool(keys) and not any(self.deps.approx.match(keys, hashes))
 
     async def _tokenize(self, server: ServerPods, request: ScheduleRequest) -> None:
         deps = self.deps
@@ -490,6 +515,14 @@ class PipelineScheduler:
         """Choose the pods; raises a 429 `APIError` when the SLO gate refuses (see slo.py)."""
         started = time.perf_counter()
         layout = self._layout(server)
+        placed = request.placed
+        if placed is not None and not avoid.intersection(placed) and not any(
+            map(self.deps.is_ejected, placed)
+        ):
+            # Where the leader placed this new prompt (`prepare`): every other pod is
+            # avoided, so the pick keeps to those while they are candidates (not ejected
+            # here, not avoided by a retry).
+            avoid = frozenset(k for k in (*layout.keys, *layout.decode_keys) if k not in placed)
         decision = self._decide(server, request, avoid, layout)
         if decision is not None:
             if decision.predicted is not None and self._slo.config.enabled:

@@ -16,6 +16,8 @@ DEFAULT_TTL_S: Final = 1.0
 DEFAULT_SYNC_PORT: Final = 8090
 #: Seconds between reads of the peer Service's EndpointSlices.
 DEFAULT_DISCOVERY_INTERVAL_S: Final = 5.0
+#: Longest wait for the leader to place a new prompt before a process places it itself.
+DEFAULT_PLACE_TIMEOUT_S: Final = 0.02
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +44,8 @@ class SyncConfig:
     flush_interval_s: float = DEFAULT_FLUSH_INTERVAL_S
     ttl_s: float = DEFAULT_TTL_S
     discovery_interval_s: float = DEFAULT_DISCOVERY_INTERVAL_S
+    #: 0: every process places its new prompts itself (`node.py`, "New prompts").
+    place_timeout_s: float = DEFAULT_PLACE_TIMEOUT_S
 
     @property
     def origin(self) -> str:
@@ -71,5 +75,7 @@ class SyncConfig:
             raise ValueError("the sync flush interval must be >= 0 and below the heartbeat")
         if self.heartbeat_s <= 0 or self.ttl_s <= self.heartbeat_s:
             raise ValueError("the sync TTL must exceed the heartbeat interval (both > 0)")
+        if self.place_timeout_s < 0:
+            raise ValueError("the new-prompt placement timeout must be >= 0")
         if (self.peers or self.peer_service) and self.sync_port is None:
             raise ValueError("peers need a --sync-port to listen on")

@@ -14,6 +14,10 @@ A frame batches every message one event-loop turn produced. Messages, tagged by 
                                       the origin scraped `pod`'s engine (same host only:
                                       `at` is the host's monotonic clock)
     (HEARTBEAT, {pod: count, ...})    the origin is alive; its whole in-flight report
+    (PLACE, leader, ask, server, model, path, flow, body)
+                                      the origin asks `leader` to place a new prompt's
+                                      request (`ask`: the origin's number for it)
+    (PLACED, asker, ask, [pod, ...])  `leader`'s answer to `asker` (no pods: none)
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ ROUTE: Final = 1
 EJECT: Final = 2
 ENGINE: Final = 3
 HEARTBEAT: Final = 4
+PLACE: Final = 5
+PLACED: Final = 6
 
 Message = tuple[Any, ...]
 

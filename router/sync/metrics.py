@@ -32,6 +32,13 @@ class SyncMetrics:
             "its live peers').",
             ["pod"], registry=registry,
         )
+        self.placements = Counter(
+            "pdgate_sync_placements",
+            "New prompts this process asked the leader to place, by outcome: answered, "
+            "timeout (placed here after `--sync-place-timeout`), none (the leader had no "
+            "pod); and asks it answered as the leader (served).",
+            ["outcome"], registry=registry,
+        )
         self.info = Gauge(
             "pdgate_sync_info", "This process's identity in the state sync (value 1).",
             ["origin"], registry=registry,
@@ -40,3 +47,5 @@ class SyncMetrics:
             self.peers.labels(state=state).set(0)
         for direction in ("sent", "received", "dropped", "relayed"):
             self.messages.labels(direction=direction)
+        for outcome in ("answered", "timeout", "none", "served"):
+            self.placements.labels(outcome=outcome)

@@ -24,6 +24,20 @@ every other process, each time. A batch that would encode larger than `MAX_FRAME
 goes out as several frames. A heartbeat every `heartbeat_s` carries the whole
 in-flight report, so a dropped message is repaired within one heartbeat.
 
+New prompts: where a prompt no pod holds starts is decided by one process, the leader
+(the lowest origin among this process and its live peers). Two routers that receive one
+new prompt within the sync's latency would otherwise each place it before hearing of the
+other (it is then computed twice), and would both send their different new prompts to
+the same emptiest pod, which one process never does: it sees its first pick before its
+second. Another process asks the leader (PLACE, with the request's body), the leader picks
+as for its own request, counts the asker's request on the pods at once (the asker's own
+count replaces that within `flush_interval_s`) and answers (PLACED); the asker dispatches
+there. An answer later than `place_timeout_s` (a busy, lost or partitioned leader) is
+not waited for: the asker places the prompt itself, as every process does with
+`place_timeout_s` 0. A prompt whose body does not fit one frame is placed where it
+arrived. The cost: a round trip to the leader for each new prompt another process
+receives, and one more pick at the leader (`pdgate_sync_placements_total`).
+
 Liveness: an origin silent for `ttl_s` is lost: its in-flight counts stop weighing on
 any pod at once, and the router carries on with what it knows itself. Prompts it routed
 stay in the approximate index (they describe the engines' caches, which outlive the
@@ -35,9 +49,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, cast
 
@@ -69,6 +84,12 @@ MAX_PEERS: Final = 1024
 MAX_FRAMES_PER_WAKEUP: Final = 256
 #: Sequence number of frames meant for this host's workers only (not counted for gaps).
 UNSEQUENCED: Final = 0
+#: New prompts waiting for the leader's placement at once; beyond, placed here.
+MAX_PENDING_PLACEMENTS: Final = 1024
+
+#: The leader's side of a placement: (asker, server key, model, path, flow, body) -> the
+#: pod keys it chose (and now counts for the asker), or None.
+Placer = Callable[[str, str, str, str, str, Mapping[str, Any]], tuple[str, ...] | None]
 
 
 @dataclass(slots=True)
@@ -120,6 +141,10 @@ class SyncNode:
         self._peer_pub: zmq.Socket[bytes] | None = None
         self._peer_sub: zmq.Socket[bytes] | None = None
         self._seen_pods: set[str] = set()
+        self._asks: dict[int, asyncio.Future[tuple[str, ...] | None]] = {}
+        self._ask_ids = itertools.count(1)
+        #: Places another process's new prompt when this one leads (set by the app).
+        self.placer: Placer | None = None
         inflight.listener = self._on_inflight
         approx.listener = self._on_route
         outliers.listener = self._on_eject
@@ -220,6 +245,62 @@ class SyncNode:
     def _frames_dropped(self, frames: int) -> None:
         self.metrics.messages.labels(direction="dropped").inc(frames)
 
+    # -- new prompts ----------------------------------------------------------------------
+
+    def leader(self) -> str:
+        """The origin that places new prompts: the lowest of this one and its live peers."""
+        live = [origin for origin, peer in self._peers.items() if peer.live]
+        return min([self.origin, *live])
+
+    async def place(
+        self, server: str, model: str, path: str, flow: str, body: Mapping[str, Any]
+    ) -> tuple[str, ...] | None:
+        """The pods the leader chose for this new prompt's request; None: place it here
+        (this process leads, placement is off, the body is too large for one frame, too
+        many asks wait, or the leader did not answer within `place_timeout_s`)."""
+        timeout = self.config.place_timeout_s
+        loop = self._loop
+        leader = self.leader()
+        if not timeout or loop is None or leader == self.origin:
+            return None
+        if len(self._asks) >= MAX_PENDING_PLACEMENTS:
+            return None
+        ask = next(self._ask_ids)
+        message = (m.PLACE, leader, ask, server, model, path, flow, body)
+        if len(m.encode(self.origin, self.config.host_id, 0, [message])) > MAX_FRAME_BYTES:
+            return None
+        future: asyncio.Future[tuple[str, ...] | None] = loop.create_future()
+        self._asks[ask] = future
+        self._pending.append(message)
+        self.flush()
+        outcomes = self.metrics.placements
+        try:
+            async with asyncio.timeout(timeout):
+                pods = await future
+        except TimeoutError:
+            outcomes.labels(outcome="timeout").inc()
+            return None
+        finally:
+            self._asks.pop(ask, None)
+        outcomes.labels(outcome="answered" if pods else "none").inc()
+        return pods
+
+    def _on_place(self, asker: str, message: list[Any]) -> None:
+        """Another process asks this one, the leader, to place a new prompt: answer now."""
+        _, leader, ask, server, model, path, flow, body = message
+        if leader != self.origin or self.placer is None:
+            return
+        pods = self.placer(asker, server, model, path, flow, body)
+        self.metrics.placements.labels(outcome="served").inc()
+        self._pending.append((m.PLACED, asker, ask, list(pods or ())))
+        self.flush()
+
+    def _on_placed(self, message: list[Any]) -> None:
+        _, asker, ask, pods = message
+        future = self._asks.get(ask) if asker == self.origin else None
+        if future is not None and not future.done():
+            future.set_result(tuple(pods) or None)
+
     def heartbeat(self) -> None:
         self._queue(self._pending, (m.HEARTBEAT, self.inflight.local_counts()))
 
@@ -269,6 +350,10 @@ class SyncNode:
                 self.approx.apply_remote(message[1], message[2])
         elif kind == m.HEARTBEAT:
             self.inflight.replace_remote(origin, dict(message[1]))
+        elif kind == m.PLACE:
+            self._on_place(origin, message)
+        elif kind == m.PLACED:
+            self._on_placed(message)
         elif kind == m.EJECT:
             key, backoff = message[1], float(message[2])
             if backoff > 0:

@@ -1,4 +1,5 @@
-"""Several router processes, one view of load: `--workers 2`, and two peer replicas.
+"""Several router processes, one view of load: `--workers 2`, and two peer replicas (whose
+new prompts one of them places).
 
 Real processes over loopback: a Mooncake master, two simulated PD groups, routers started
 as `python -m router serve`. In-flight counts are checked against the truth the client
@@ -339,6 +340,52 @@ async def test_two_replicas_share_counts_and_survive_a_killed_peer(pods: SimClus
     finally:
         for router in routers:
             router.stop(signal.SIGKILL if router is routers[1] else signal.SIGTERM)
+
+
+def placements(text: str) -> dict[str, float]:
+    """outcome -> count of `pdgate_sync_placements_total` in one process's samples."""
+    return {labels.split('"')[1]: v
+            for labels, v in metric_values(text, "pdgate_sync_placements_total")}
+
+
+async def test_two_replicas_place_new_prompts_as_one_process(pods: SimCluster) -> None:
+    """Two different new prompts reach the two replicas at once, eight times over: every
+    new prompt the other replica receives is placed by the leader (the lowest origin;
+    answered, none timed out), and each pair starts on the two prefill pods, the second
+    placed after the first was counted (as one process does; two routers deciding apart
+    could queue both on one pod)."""
+    ports = [free_port(), free_port()]
+    syncs = [free_port(), free_port()]
+    routers = [
+        _router(pods, f"placing-{i}", ports[i],
+                ["--sync-port", str(syncs[i]), "--peers", f"127.0.0.1:{syncs[1 - i]}"])
+        for i in range(2)
+    ]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    try:
+        await wait_ready(urls, 2)
+        leader = min(await asyncio.to_thread(per_process_metrics, urls, 2))
+        async with aiohttp.ClientSession() as http:
+            for pair in range(8):
+                bodies = [
+                    {"model": MODEL, "max_tokens": 2, "stream": True, "messages": [
+                        {"role": "system", "content": f"Pair {pair}, tenant {i}. " * 60},
+                        {"role": "user", "content": "hello"}]}
+                    for i in range(2)
+                ]  # fmt: skip
+                first, second = await asyncio.gather(
+                    *(stream_chat(http, url, body) for url, body in zip(urls, bodies, strict=True))
+                )
+                assert first.status == second.status == 200
+                assert {first.prefill, second.prefill} == {"g0-prefill", "g1-prefill"}, pair
+        views = await asyncio.to_thread(per_process_metrics, urls, 2)
+        (other,) = (origin for origin in views if origin != leader)
+        asked = placements(views[other])
+        assert asked["answered"] >= 8 and asked["timeout"] == 0, asked
+        assert placements(views[leader])["served"] == asked["answered"]
+    finally:
+        for router in routers:
+            router.stop(signal.SIGTERM)
 
 
 async def _hold_streams(url: str, count: int) -> None:

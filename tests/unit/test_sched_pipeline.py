@@ -321,6 +321,41 @@ def test_routers_that_see_one_pod_busier_still_agree_where_a_new_prompt_goes() -
         assert agreed == compared, kind
 
 
+async def test_a_new_prompt_is_sent_where_the_leader_placed_it() -> None:
+    """With other router processes (`router.sync`), `prepare` asks the leader where a
+    prompt no pod holds should go, and `pick` keeps to its answer; a prompt some pod holds
+    is placed here without asking; a retry that avoids the placed pod, or a placed pod
+    ejected in this process's view, goes elsewhere."""
+    rt = runtime()
+    server = pd_server({f"g{i}": ([f"p{i}"], [f"d{i}"]) for i in range(3)})
+    asked: list[tuple[str, str, str]] = []
+
+    async def place(key: str, model: str, path: str, flow: str,
+                    body: Mapping[str, Any]) -> tuple[str, ...] | None:
+        asked.append((key, model, flow))
+        return ("default/p2", "default/d2")
+
+    rt.deps.place = place
+    for i in range(6):
+        new = request(system=f"Tenant {i} system prompt. " * 90)
+        await rt.scheduler.prepare(server, new)
+        assert new.placed == ("default/p2", "default/d2")
+        assert computes_on(rt, server, new) == "p2"
+    assert asked == [("default/pd", "m", "pd")] * 6
+    held = request(system="Tenant 0 system prompt. " * 90)  # recorded on p2 by now
+    await rt.scheduler.prepare(server, held)
+    assert held.placed is None and len(asked) == 6
+    retry = request(system="Tenant 9 system prompt. " * 90)
+    await rt.scheduler.prepare(server, retry)
+    pick = rt.scheduler.pick(server, retry, frozenset({"default/p2"}))
+    assert pick is not None and pick.prefill is not None and pick.prefill.pod_name != "p2"
+    rt.set_ejection_hook(lambda key: key == "default/p2")  # ejected here: not kept to
+    ejected = request(system="Tenant 10 system prompt. " * 90)
+    await rt.scheduler.prepare(server, ejected)
+    assert ejected.placed == ("default/p2", "default/d2")
+    assert computes_on(rt, server, ejected) != "p2"
+
+
 def test_precise_prefix_cache_counts_store_hits_at_a_factor() -> None:
     rt = runtime()
     server = pd_server({"g": (["p1", "p2"], ["d1"])})

@@ -1,8 +1,12 @@
-"""`router.sync` without sockets: frames between two nodes, expiry, parsing, worker counts."""
+"""`router.sync` without sockets: frames between two nodes (counts, routes, ejections, new
+prompts placed by the leader), expiry, parsing, worker counts."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -127,6 +131,73 @@ def test_routes_and_ejections_reach_the_peer(pair: tuple[Node, Node, Clock]) -> 
     one.outliers.probe_result(POD_B, ok=True)
     one.deliver_to(two)
     assert not two.outliers.is_ejected(POD_B.key)
+
+
+def _know_each_other(one: Node, two: Node) -> None:
+    for a, b in ((one, two), (two, one)):
+        a.node.heartbeat()
+        a.deliver_to(b)
+
+
+def _placements(node: Node, outcome: str) -> float | None:
+    return node.registry.get_sample_value("pdgate_sync_placements_total", {"outcome": outcome})
+
+
+CHAT_BODY = {"model": "m", "messages": [{"role": "system", "content": "Tenant 7."}]}
+
+
+async def test_the_leader_places_a_new_prompt_for_the_other_process(
+    pair: tuple[Node, Node, Clock],
+) -> None:
+    """Where a new prompt starts is one process's decision (the lowest live origin): the
+    other asks it, gets the pods it chose, and is counted on them at once."""
+    one, two, _ = pair
+    for node in (one, two):
+        node.node._loop = asyncio.get_running_loop()  # as `run` sets it
+    _know_each_other(one, two)
+    assert one.node.leader() == two.node.leader() == one.node.origin
+    asked: list[tuple[str, str, str]] = []
+
+    def placer(asker: str, server: str, model: str, path: str, flow: str,
+               body: Any) -> tuple[str, ...]:
+        asked.append((asker, server, body["messages"][0]["content"]))
+        one.inflight.add_remote(asker, POD_A.key)
+        return (POD_A.key,)
+
+    one.node.placer = placer
+    answer = asyncio.create_task(two.node.place("default/pd", "m", "/v1/chat/completions",
+                                                "pd", CHAT_BODY))
+    await asyncio.sleep(0)
+    assert len(two.frames) == 1  # asked at once, not at the loop's next turn
+    two.deliver_to(one)
+    assert len(one.frames) == 1  # answered at once
+    one.deliver_to(two)
+    assert await answer == (POD_A.key,)
+    assert asked == [(two.node.origin, "default/pd", "Tenant 7.")]
+    assert one.inflight.get(POD_A) == 1  # the asker's request, before it reports it
+    two.inflight.acquire(POD_A)
+    two.deliver_to(one)
+    assert one.inflight.get(POD_A) == 1  # its report replaced the provisional count
+    assert await one.node.place("default/pd", "m", "/v1/chat/completions", "pd",
+                                CHAT_BODY) is None  # the leader places its own
+    assert _placements(two, "answered") == 1 and _placements(one, "served") == 1
+
+
+async def test_a_leader_that_does_not_answer_leaves_the_prompt_to_the_asker(
+    pair: tuple[Node, Node, Clock],
+) -> None:
+    one, two, _ = pair
+    two.node._loop = asyncio.get_running_loop()
+    _know_each_other(one, two)
+    started = time.monotonic()
+    assert await two.node.place("default/pd", "m", "/v1/chat/completions", "pd",
+                                CHAT_BODY) is None  # nothing delivered: no answer
+    assert time.monotonic() - started >= two.node.config.place_timeout_s
+    assert _placements(two, "timeout") == 1
+    huge = {"messages": [{"role": "user", "content": "x" * MAX_FRAME_BYTES}]}
+    two.frames.clear()
+    assert await two.node.place("default/pd", "m", "/v1/chat/completions", "pd", huge) is None
+    assert two.frames == []  # too large for one frame: placed where it arrived, unasked
 
 
 def test_a_batch_too_large_for_one_frame_goes_as_several(

@@ -118,6 +118,18 @@ def _router(sim: SimCluster, name: str, port: int, extra: list[str]) -> Process:
     return process
 
 
+def _two_replicas(sim: SimCluster, name: str) -> tuple[list[Process], list[str]]:
+    """Two router replicas peered over their sync ports: (processes, base URLs)."""
+    ports = [free_port(), free_port()]
+    syncs = [free_port(), free_port()]
+    routers = [
+        _router(sim, f"{name}-{i}", ports[i],
+                ["--sync-port", str(syncs[i]), "--peers", f"127.0.0.1:{syncs[1 - i]}"])
+        for i in range(2)
+    ]
+    return routers, [f"http://127.0.0.1:{p}" for p in ports]
+
+
 def _metrics_once(url: str) -> str:
     request = urllib.request.Request(f"{url}/metrics", headers={"Connection": "close"})
     with urllib.request.urlopen(request, timeout=5) as response:
@@ -291,14 +303,7 @@ def served(text: str) -> dict[str, float]:
 
 
 async def test_two_replicas_share_counts_and_survive_a_killed_peer(pods: SimCluster) -> None:
-    ports = [free_port(), free_port()]
-    syncs = [free_port(), free_port()]
-    routers = [
-        _router(pods, f"replica-{i}", ports[i],
-                ["--sync-port", str(syncs[i]), "--peers", f"127.0.0.1:{syncs[1 - i]}"])
-        for i in range(2)
-    ]
-    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    routers, urls = _two_replicas(pods, "replica")
     try:
         await wait_ready(urls, 2)
         async with open_streams(urls, STREAMS) as truth:
@@ -354,14 +359,7 @@ async def test_two_replicas_place_new_prompts_as_one_process(pods: SimCluster) -
     answered, none timed out), and each pair starts on the two prefill pods, the second
     placed after the first was counted (as one process does; two routers deciding apart
     could queue both on one pod)."""
-    ports = [free_port(), free_port()]
-    syncs = [free_port(), free_port()]
-    routers = [
-        _router(pods, f"placing-{i}", ports[i],
-                ["--sync-port", str(syncs[i]), "--peers", f"127.0.0.1:{syncs[1 - i]}"])
-        for i in range(2)
-    ]
-    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    routers, urls = _two_replicas(pods, "placing")
     try:
         await wait_ready(urls, 2)
         leader = min(await asyncio.to_thread(per_process_metrics, urls, 2))

@@ -290,7 +290,11 @@ class SyncNode:
         _, leader, ask, server, model, path, flow, body = message
         if leader != self.origin or self.placer is None:
             return
-        pods = self.placer(asker, server, model, path, flow, body)
+        try:
+            pods = self.placer(asker, server, model, path, flow, body)
+        except Exception:  # the asker then places it itself; the frame's other messages apply
+            log.exception("sync: placing a new prompt for %s failed", asker)
+            pods = None
         self.metrics.placements.labels(outcome="served").inc()
         self._pending.append((m.PLACED, asker, ask, list(pods or ())))
         self.flush()

@@ -183,6 +183,27 @@ async def test_the_leader_places_a_new_prompt_for_the_other_process(
     assert _placements(two, "answered") == 1 and _placements(one, "served") == 1
 
 
+async def test_a_placement_that_fails_at_the_leader_is_answered_with_no_pods(
+    pair: tuple[Node, Node, Clock],
+) -> None:
+    one, two, _ = pair
+    for node in (one, two):
+        node.node._loop = asyncio.get_running_loop()
+    _know_each_other(one, two)
+
+    def placer(*_: Any) -> tuple[str, ...]:
+        raise RuntimeError("no view yet")
+
+    one.node.placer = placer
+    answer = asyncio.create_task(two.node.place("default/pd", "m", "/v1/chat/completions",
+                                                "pd", CHAT_BODY))
+    await asyncio.sleep(0)
+    two.deliver_to(one)
+    one.deliver_to(two)
+    assert await answer is None  # at once, not after the timeout: the asker places it
+    assert _placements(two, "none") == 1 and _placements(two, "timeout") == 0
+
+
 async def test_a_leader_that_does_not_answer_leaves_the_prompt_to_the_asker(
     pair: tuple[Node, Node, Clock],
 ) -> None:

@@ -453,11 +453,7 @@ class PipelineScheduler:
         profile = profiles.prefill if pd else profiles.aggregated
         if not profile.config.uses("prefix-cache"):
             return False
-        approx = profiles.config.approximate_index
-        hashes = PromptInfo(
-            request, self.deps.hasher, approx.block_bytes, approx.max_prompt_blocks,
-            approx.chars_per_token, server.server, self.deps.approx_hasher,
-        ).approx_hashes()
+        hashes = self._prompt(server, request).approx_hashes()
         keys = self._layout(server).keys
         return bool(hashes) and bool(keys) and not any(self.deps.approx.match(keys, hashes))
 
@@ -546,14 +542,9 @@ class PipelineScheduler:
         now = self._clock()
         self.deps.pending.flush(now)
         profiles = self._profiles
-        config = profiles.config
-        approx = config.approximate_index
-        prompt = PromptInfo(
-            request, self.deps.hasher, approx.block_bytes, approx.max_prompt_blocks,
-            approx.chars_per_token, server.server, self.deps.approx_hasher,
-        )
         ctx = PickContext(
-            request, server, prompt, self.deps, config.cost_model, now, layout.costs,
+            request, server, self._prompt(server, request), self.deps,
+            profiles.config.cost_model, now, layout.costs,
         )
         flow = request.flow
         if flow == "single" or (flow == "generate" and server.is_pd):
@@ -561,6 +552,14 @@ class PipelineScheduler:
         if server.is_pd:
             return self._pick_pd(profiles, ctx, server, avoid, layout)
         return self._pick_aggregated(profiles, ctx, server, avoid, layout)
+
+    def _prompt(self, server: ServerPods, request: ScheduleRequest) -> PromptInfo:
+        """The request's prompt, hashed lazily, with this configuration's block sizes."""
+        approx = self._profiles.config.approximate_index
+        return PromptInfo(
+            request, self.deps.hasher, approx.block_bytes, approx.max_prompt_blocks,
+            approx.chars_per_token, server.server, self.deps.approx_hasher,
+        )
 
     # -- candidates ---------------------------------------------------------------------------
 

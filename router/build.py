@@ -21,6 +21,7 @@ GROUP = "router.hot_path"
 #: it in C, and mypyc's runtime type checks reject the tagged unions it decodes into.
 COMPILED_SOURCES: tuple[str, ...] = (
     "router/load.py",
+    "router/tally.py",
     "router/scheduling/approx_index.py",
     "router/scheduling/backlog.py",
     "router/scheduling/block_hash.py",
@@ -28,6 +29,7 @@ COMPILED_SOURCES: tuple[str, ...] = (
     "router/scheduling/context.py",
     "router/scheduling/filters.py",
     "router/scheduling/kv_events.py",
+    "router/scheduling/pick.py",
     "router/scheduling/pipeline.py",
     "router/scheduling/pool_view.py",
     "router/scheduling/precise_index.py",

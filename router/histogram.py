@@ -4,35 +4,21 @@ prometheus-client's `Histogram` takes a lock for the sum and one for the bucket 
 observation (1-2.5 µs each time, see ENGINEERING.md); the relay observes the inter-token
 latency once per streamed chunk and the request path about ten times per request. The
 router's data path runs on one event loop, so plain integers do: `LoopHistogram` keeps
-per-bucket counts and a sum per label value, and exports them through a custom collector
-in the same exposition (`_bucket{le=...}`, `_count`, `_sum`) as a `Histogram` would.
+per-bucket counts and a sum per label value (`router.tally.BucketCounts`), and exports
+them through a custom collector in the same exposition (`_bucket{le=...}`, `_count`,
+`_sum`) as a `Histogram` would.
 Observe only from the loop's thread; a scrape from it sees a consistent snapshot.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
-
-class LoopHistogramChild:
-    """One label value's counts: `counts[i]` observations in bucket i (the last: +Inf)."""
-
-    __slots__ = ("_bounds", "counts", "sum")
-
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self._bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)
-        self.sum = 0.0
-
-    def observe(self, amount: float) -> None:
-        # bisect_left: the first bound >= amount, i.e. Prometheus' `le` bucket.
-        self.counts[bisect_left(self._bounds, amount)] += 1
-        self.sum += amount
+from router.tally import BucketCounts
 
 
 class LoopHistogram:
@@ -50,13 +36,13 @@ class LoopHistogram:
         if list(self._bounds) != sorted(set(self._bounds)):
             raise ValueError("buckets must be strictly increasing")
         self._le = [str(floatToGoString(b)) for b in self._bounds]  # type: ignore[no-untyped-call]
-        self._children: dict[str, LoopHistogramChild] = {}
+        self._children: dict[str, BucketCounts] = {}
         registry.register(self)
 
-    def labels(self, value: str) -> LoopHistogramChild:
+    def labels(self, value: str) -> BucketCounts:
         child = self._children.get(value)
         if child is None:
-            child = self._children[value] = LoopHistogramChild(self._bounds)
+            child = self._children[value] = BucketCounts(self._bounds)
         return child
 
     def describe(self) -> list[Metric]:

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from router.histogram import LoopHistogram, LoopHistogramChild
+from router.histogram import LoopHistogram
+from router.tally import BucketCounts
 
 LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
@@ -118,7 +119,7 @@ class RouterMetrics:
         for phase, lap in laps:
             self._hist(self.ttft_phase, "tp", phase).observe(lap)
 
-    def inter_token(self, model: str) -> LoopHistogramChild:
+    def inter_token(self, model: str) -> BucketCounts:
         """The ITL child of `model`, fetched once per stream."""
         return self._hist(self.itl, "i", model)
 
@@ -137,5 +138,5 @@ class RouterMetrics:
     def client_error(self, status: int, phase: str) -> None:
         self.client_errors.labels(status=str(status), phase=phase).inc()
 
-    def _hist(self, histogram: LoopHistogram, tag: str, label: str) -> LoopHistogramChild:
+    def _hist(self, histogram: LoopHistogram, tag: str, label: str) -> BucketCounts:
         return histogram.labels(label)  # a dict lookup: no cache of ours needed

@@ -19,10 +19,10 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from router.histogram import LoopHistogramChild
 from router.http_client import Response
 from router.metrics import RouterMetrics
 from router.security.usage import StreamUsage
+from router.tally import BucketCounts
 from router.timing import Timeline, content_events
 
 DONE = b"data: [DONE]"
@@ -66,7 +66,7 @@ class StreamRelay:
         self.end = b""  # the stream's last bytes
         self.ended = False  # a Responses stream's last event went by
         #: The ITL histogram child, once the first content went out.
-        self.itl: LoopHistogramChild | None = None
+        self.itl: BucketCounts | None = None
         self.first_at = self.last_at = 0.0
         self.failure: Exception | None = None  # raised by `on_data`, re-raised by `run`
 

@@ -7,14 +7,17 @@ failed this request, so a retry lands elsewhere when it can.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from router.view import Endpoint, ServerPods
+from router.scheduling.pick import Pick
+from router.view import ServerPods
 
 if TYPE_CHECKING:
     from router.scheduling.block_hash import LeadingBlocks
+
+__all__ = ["Pick", "PreparingScheduler", "ScheduleRequest", "Scheduler"]
 
 
 @dataclass(slots=True)
@@ -39,28 +42,6 @@ class ScheduleRequest:
     #: The pods another router process (the sync's leader) chose for this new prompt's
     #: request (`prepare`); `pick` keeps to them while they are candidates.
     placed: tuple[str, ...] | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Pick:
-    """The pods chosen. `prefill` is None for an aggregated server (or a single-pod
-    request); two picks are equal when their pods are. The costs are the chosen pods'
-    (lower is better; see `pipeline`), None when the scheduler computes none; traces
-    report them.
-
-    `on_prefill`: call it with the measured prefill duration (seconds, sequential PD: from
-    sending prefill to its KV handle) so that the scheduler's TTFT model calibrates.
-    """
-
-    decode: Endpoint
-    prefill: Endpoint | None = None
-    decode_cost: float | None = field(default=None, compare=False)
-    prefill_cost: float | None = field(default=None, compare=False)
-    on_prefill: Callable[[float], None] | None = field(default=None, compare=False)
-
-    @property
-    def endpoints(self) -> tuple[Endpoint, ...]:
-        return (self.decode,) if self.prefill is None else (self.prefill, self.decode)
 
 
 class Scheduler(Protocol):

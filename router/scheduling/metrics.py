@@ -5,15 +5,14 @@ exposition stays cheap at hundreds of pods. Labelled children used on the per-re
 path are resolved once here.
 
 The four observations every decision makes (its time, its predicted TTFT, the prefix
-blocks looked up and hit) are plain numbers exported by a collector (`LocalHistogram`,
-`LocalCounter`): a prometheus-client child takes a lock and a few calls per observation,
-1-2.5 µs, a large share of a ~20 µs decision. The scheduler runs on the event loop only,
-so nothing else writes them; an exposition reads each number once.
+blocks looked up and hit) are plain numbers exported by a collector (`router.tally`'s
+`BucketCounts`, `Tally`): a prometheus-client child takes a lock and a few calls per
+observation, 1-2.5 µs, a large share of a ~20 µs decision. The scheduler runs on the
+event loop only, so nothing else writes them; an exposition reads each number once.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections.abc import Callable, Iterator, Mapping
 from itertools import accumulate
 from typing import Final, Protocol
@@ -24,6 +23,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from router.scheduling.ttft_model import PrefillFit
+from router.tally import BucketCounts, Tally
 
 DECISION_BUCKETS: Final = (
     5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2,
@@ -34,46 +34,19 @@ TTFT_BUCKETS: Final = (
 INDEX_KINDS: Final = ("approximate", "precise")
 
 
-class LocalHistogram:
-    """One histogram child: bucket counts (last: +Inf) and the sum, without a lock."""
-
-    __slots__ = ("bounds", "counts", "sum")
-
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect_left(self.bounds, value)] += 1  # first bucket with value <= le
-        self.sum += value
-
-
-class LocalCounter:
-    """One counter child without a lock."""
-
-    __slots__ = ("value",)
-
-    def __init__(self) -> None:
-        self.value = 0.0
-
-    def inc(self, amount: float = 1.0) -> None:
-        self.value += amount
-
-
 class CounterSource(Protocol):
-    """Anything with a running total to export as a counter (`LocalCounter`, a tally kept
-    by another component)."""
+    """Anything with a running total to export as a counter (a `Tally`, or one kept by
+    another component)."""
 
     @property
     def value(self) -> float: ...
 
 
 class _LocalCollector(Collector):
-    """Exports the `Local*` children as ordinary Prometheus histograms and counters."""
+    """Exports `router.tally` children as ordinary Prometheus histograms and counters."""
 
     def __init__(self) -> None:
-        self.histograms: list[tuple[str, str, str, dict[str, LocalHistogram]]] = []
+        self.histograms: list[tuple[str, str, str, dict[str, BucketCounts]]] = []
         self.counters: list[tuple[str, str, str, Mapping[str, CounterSource]]] = []
 
     def collect(self) -> Iterator[Metric]:
@@ -97,16 +70,16 @@ class SchedulerMetrics:
     ) -> None:
         self.registry = registry
         local = _LocalCollector()
-        self.queries = {kind: LocalCounter() for kind in INDEX_KINDS}
-        self.hits = {kind: LocalCounter() for kind in INDEX_KINDS}
+        self.queries = {kind: Tally() for kind in INDEX_KINDS}
+        self.hits = {kind: Tally() for kind in INDEX_KINDS}
         #: Thread CPU seconds of work done beside the requests' own handling, measured
         #: where it runs: what the precise index costs. `kv_events` is counted on the
         #: event loop (`kv_events.PodEventStream`); `tokenize` is the tokenize threads'
         #: own tally (`offload.TokenizePool.cpu`), read at each exposition.
-        self.kv_events_cpu = LocalCounter()
+        self.kv_events_cpu = Tally()
         self.background_cpu: dict[str, CounterSource] = {
             "kv_events": self.kv_events_cpu,
-            "tokenize": tokenize_cpu if tokenize_cpu is not None else LocalCounter(),
+            "tokenize": tokenize_cpu if tokenize_cpu is not None else Tally(),
         }
         local.counters += [
             ("pdgate_prefix_cache_queries",
@@ -133,10 +106,10 @@ class SchedulerMetrics:
             "Entries a prefix index dropped to stay within its bounds (since start).",
             ["index"], registry=registry,
         )
-        self.decision_pd = LocalHistogram(DECISION_BUCKETS)
-        self.decision_aggregated = LocalHistogram(DECISION_BUCKETS)
-        self.predicted_pd = LocalHistogram(TTFT_BUCKETS)
-        self.predicted_aggregated = LocalHistogram(TTFT_BUCKETS)
+        self.decision_pd = BucketCounts(DECISION_BUCKETS)
+        self.decision_aggregated = BucketCounts(DECISION_BUCKETS)
+        self.predicted_pd = BucketCounts(TTFT_BUCKETS)
+        self.predicted_aggregated = BucketCounts(TTFT_BUCKETS)
         local.histograms += [
             ("pdgate_scheduler_decision_seconds",
              "Time the scheduler took to pick the pods of one request.", "kind",

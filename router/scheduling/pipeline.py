@@ -207,25 +207,25 @@ class _Layout:
     decode_groups: list[str | None] | None = None
 
 
-@dataclass(slots=True)  # not frozen: a frozen init costs a call per field, per decision
 class _PrefixReport:
-    """What the prefix scorers found for one role's candidates (for metrics and the mean)."""
+    """What the prefix scorers found for one role's candidates (for metrics and the mean).
 
-    approx_depths: list[int] | None
-    approx_total: int
-    precise_local: list[int] | None
-    precise_reach: list[int] | None
-    precise_total: int
-    store_factor: float
-    compute_tokens: list[float] | None
-    pull_tokens: list[float] | None
+    `_PrefixReport` and `_Decision` are built on every decision: plain classes, since
+    mypyc compiles their `__init__` (a dataclass's runs interpreted, see `pick.py`)."""
+
+    def __init__(self, ctx: PickContext) -> None:
+        self.approx_depths: list[int] | None = ctx.approx_depths
+        self.approx_total: int = ctx.approx_hashes
+        self.precise_local: list[int] | None = ctx.precise_local
+        self.precise_reach: list[int] | None = ctx.precise_reach
+        self.precise_total: int = ctx.precise_hashes
+        self.store_factor: float = ctx.store_factor
+        self.compute_tokens: list[float] | None = ctx.compute_tokens
+        self.pull_tokens: list[float] | None = ctx.pull_tokens
 
 
 def _take_report(ctx: PickContext) -> _PrefixReport:
-    report = _PrefixReport(
-        ctx.approx_depths, ctx.approx_hashes, ctx.precise_local, ctx.precise_reach,
-        ctx.precise_hashes, ctx.store_factor, ctx.compute_tokens, ctx.pull_tokens,
-    )
+    report = _PrefixReport(ctx)
     _clear_report(ctx)
     return report
 
@@ -235,16 +235,20 @@ def _clear_report(ctx: PickContext) -> None:
     ctx.compute_tokens = ctx.pull_tokens = None
 
 
-@dataclass(slots=True)
 class _Decision:
     """A pick before its bookkeeping: `commit` records it (skipped when the SLO gate
-    refuses the request, or for a dry run); `predicted` is its TTFT (ttft unit)."""
+    refuses the request, or for a dry run); `predicted` is its TTFT (ttft unit).
+    `idle_s`: the request's idle TTFT, its whole prompt uncached on an idle pod
+    (`slo.Prediction`)."""
 
-    pick: Pick
-    predicted: float | None
-    commit: Callable[[], None]
-    #: The request's idle TTFT: its whole prompt uncached on an idle pod (`slo.Prediction`).
-    idle_s: float = 0.0
+    def __init__(
+        self, pick: Pick, predicted: float | None, commit: Callable[[], None],
+        idle_s: float = 0.0,
+    ) -> None:
+        self.pick = pick
+        self.predicted = predicted
+        self.commit = commit
+        self.idle_s = idle_s
 
     def prediction(self) -> Prediction | None:
         return None if self.predicted is None else Prediction(self.predicted, self.idle_s)

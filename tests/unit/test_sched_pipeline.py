@@ -811,8 +811,9 @@ def test_score_unit_profiles() -> None:
 
 
 def test_lock_free_decision_metrics_expose_what_prometheus_client_would() -> None:
-    """The scheduler's per-decision histograms and counters (`metrics.LocalHistogram`,
-    `LocalCounter`) read the same as prometheus-client's own, bucket edges included."""
+    """The scheduler's per-decision histograms and counters (`router.tally`'s
+    `BucketCounts`, `Tally`) read the same as prometheus-client's own, bucket edges
+    included."""
     from prometheus_client import Counter as PromCounter
     from prometheus_client import Histogram
 

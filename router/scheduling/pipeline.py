@@ -263,6 +263,12 @@ def _groups_of(
     return [p.group for p in cands.pods]
 
 
+def _one_pod(server: ServerPods, flow: str) -> bool:
+    """Whether a request of `flow` goes to one pod chosen by load alone (`_pick_single`):
+    the `single` flow, and `generate` on a PD server (its decode pod)."""
+    return flow == "single" or (flow == "generate" and server.is_pd)
+
+
 def _endpoint(path: str, body: dict[str, Any]) -> Prompt:
     return "chat" if path == CHAT_PATH or isinstance(body.get("messages"), list) else "completion"
 
@@ -450,11 +456,10 @@ class PipelineScheduler:
         """Whether no candidate holds a block of this request's prompt, by the approximate
         index, for a pick the approximate prefix scorer takes part in (see `router.sync`:
         where such a prompt starts is the leader's decision)."""
-        pd = server.is_pd
-        if request.flow == "single" or (pd and request.flow == "generate"):
+        if _one_pod(server, request.flow):
             return False
         profiles = self._profiles
-        profile = profiles.prefill if pd else profiles.aggregated
+        profile = profiles.prefill if server.is_pd else profiles.aggregated
         if not profile.config.uses("prefix-cache"):
             return False
         hashes = self._prompt(server, request).approx_hashes()
@@ -550,8 +555,7 @@ class PipelineScheduler:
             request, server, self._prompt(server, request), self.deps,
             profiles.config.cost_model, now, layout.costs,
         )
-        flow = request.flow
-        if flow == "single" or (flow == "generate" and server.is_pd):
+        if _one_pod(server, request.flow):
             return self._pick_single(profiles, ctx, server, avoid, layout)
         if server.is_pd:
             return self._pick_pd(profiles, ctx, server, avoid, layout)

@@ -42,6 +42,10 @@ class ScheduleRequest:
     #: The pods another router process (the sync's leader) chose for this new prompt's
     #: request (`prepare`); `pick` keeps to them while they are candidates.
     placed: tuple[str, ...] | None = None
+    #: False for the pick the sync's leader makes for another process's request: recorded
+    #: in the index like any pick, but left out of this process's decision metrics (the
+    #: asker counts its own pick, so a sum over processes counts each request once).
+    counted: bool = True
 
 
 class Scheduler(Protocol):

@@ -531,10 +531,12 @@ class PipelineScheduler:
         decision = self._decide(server, request, avoid, layout)
         if decision is not None:
             if decision.predicted is not None and self._slo.config.enabled:
-                self._slo.check(layout.costs, decision.prediction())
+                self._slo.check(layout.costs, decision.prediction(), request.counted)
             decision.commit()
-        observe = self.metrics.decision_pd if server.is_pd else self.metrics.decision_aggregated
-        observe.observe(time.perf_counter() - started)
+        if request.counted:
+            metrics = self.metrics
+            observe = metrics.decision_pd if server.is_pd else metrics.decision_aggregated
+            observe.observe(time.perf_counter() - started)
         return None if decision is None else decision.pick
 
     def predict(
@@ -630,11 +632,12 @@ class PipelineScheduler:
             ctx.ready_at = ctx.now + predicted
 
         def commit() -> None:
-            if guarded:
-                self.metrics.guard["aggregated"].inc()
             self._dispatched(ctx, profile, cands, index, report)
-            if predicted is not None:
-                self.metrics.predicted_aggregated.observe(predicted)
+            if ctx.request.counted:
+                if guarded:
+                    self.metrics.guard["aggregated"].inc()
+                if predicted is not None:
+                    self.metrics.predicted_aggregated.observe(predicted)
 
         pick = Pick(decode=cands.pods[index], decode_cost=costs[index])
         idle = 0.0 if predicted is None else ctx.fit.predict(ctx.prompt.token_count())
@@ -769,10 +772,6 @@ class PipelineScheduler:
             ctx.ready_at = ctx.now + pre_costs[pi] + ctx.fit.predict(0.0)
 
         def commit() -> None:
-            if pre_guarded:
-                self.metrics.guard["prefill"].inc()
-            if dec_guarded:
-                self.metrics.guard["decode"].inc()
             ctx.role = "prefill"
             self._dispatched(ctx, pre_profile, pre, pi, report)
             if ticket is not None:
@@ -780,8 +779,14 @@ class PipelineScheduler:
             ctx.role = "decode"
             for scorer in dec_profile.recorders:
                 scorer.picked(ctx, dec, di)
-            if predicted is not None:
-                self.metrics.predicted_pd.observe(predicted)
+            if ctx.request.counted:
+                metrics = self.metrics
+                if pre_guarded:
+                    metrics.guard["prefill"].inc()
+                if dec_guarded:
+                    metrics.guard["decode"].inc()
+                if predicted is not None:
+                    metrics.predicted_pd.observe(predicted)
 
         pick = Pick(decode=dec.pods[di], prefill=pre.pods[pi], decode_cost=dec_costs[di],
                     prefill_cost=pre_costs[pi],
@@ -840,12 +845,14 @@ class PipelineScheduler:
         for scorer in profile.recorders:
             scorer.picked(ctx, cands, index)
         metrics = self.metrics
+        counted = ctx.request.counted
         cached: float | None = None
         if report.approx_depths is not None and report.approx_total:
             depth = report.approx_depths[index]
-            metrics.queries["approximate"].inc(report.approx_total)
-            if depth:
-                metrics.hits["approximate"].inc(depth)
+            if counted:
+                metrics.queries["approximate"].inc(report.approx_total)
+                if depth:
+                    metrics.hits["approximate"].inc(depth)
             cached = depth / report.approx_total
         if (
             report.precise_local is not None
@@ -854,9 +861,10 @@ class PipelineScheduler:
         ):
             local = report.precise_local[index]
             reach = report.precise_reach[index]
-            metrics.queries["precise"].inc(report.precise_total)
-            if reach:
-                metrics.hits["precise"].inc(reach)
+            if counted:
+                metrics.queries["precise"].inc(report.precise_total)
+                if reach:
+                    metrics.hits["precise"].inc(reach)
             cached = (local + report.store_factor * (reach - local)) / report.precise_total
         if report.approx_depths is None and report.precise_local is None:
             # No prefix scorer: what this pod has cached is unknown, and counting the whole

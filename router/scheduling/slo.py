@@ -103,17 +103,22 @@ class SLOGate:
             or prediction.ttft_s <= self.target(costs, prediction.idle_s) + _SLACK_S
         )
 
-    def check(self, costs: ServerCosts, prediction: Prediction | None) -> None:
-        """Raise the 429 when the prediction is beyond the request's target."""
+    def check(
+        self, costs: ServerCosts, prediction: Prediction | None, count: bool = True
+    ) -> None:
+        """Raise the 429 when the prediction is beyond the request's target. `count`:
+        record the outcome in the admission metric (not for a pick made for a peer)."""
         if prediction is None:
             return
         target = self.target(costs, prediction.idle_s)
         if target <= 0:
             return
         if prediction.ttft_s > target + _SLACK_S:
-            self.metrics.slo["rejected"].inc()
+            if count:
+                self.metrics.slo["rejected"].inc()
             raise slo_rejection(prediction.ttft_s, target, self.config.retry_after_s)
-        self.metrics.slo["admitted"].inc()
+        if count:
+            self.metrics.slo["admitted"].inc()
 
     async def wait(
         self, costs: ServerCosts, predict: Callable[[], Prediction | None]

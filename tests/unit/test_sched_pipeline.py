@@ -356,6 +356,32 @@ async def test_a_new_prompt_is_sent_where_the_leader_placed_it() -> None:
     assert computes_on(rt, server, ejected) != "p2"
 
 
+def test_a_pick_made_for_a_peer_is_recorded_but_not_counted() -> None:
+    """The leader's pick for another process's request (`counted=False`) records the
+    prompt in the index like any pick, so the next request for it goes to the same pod,
+    but leaves this process's decision metrics alone: the asker's own pick counts the
+    request, and a sum over processes counts it once."""
+    rt = runtime()
+    server = pd_server({f"g{i}": ([f"p{i}"], [f"d{i}"]) for i in range(3)})
+    registry = rt.metrics.registry
+    names = ("pdgate_scheduler_decision_seconds_count", "pdgate_prefix_cache_queries_total",
+             "pdgate_scheduler_predicted_ttft_seconds_count")
+    labels = ({"kind": "pd"}, {"index": "approximate"}, {"kind": "pd"})
+
+    def counted() -> list[float]:
+        return [sample(registry, name, **label) for name, label in zip(names, labels,
+                                                                       strict=True)]
+
+    for_peer = request(system="Tenant 1 system prompt. " * 90)
+    for_peer.counted = False
+    placed = computes_on(rt, server, for_peer)
+    assert counted() == [0.0, 0.0, 0.0]
+    own = request(system="Tenant 1 system prompt. " * 90, question="And of Spain?")
+    assert computes_on(rt, server, own) == placed  # the peer's pick is in the index
+    after = counted()
+    assert after[0] == 1 and after[1] > 0, after
+
+
 def test_precise_prefix_cache_counts_store_hits_at_a_factor() -> None:
     rt = runtime()
     server = pd_server({"g": (["p1", "p2"], ["d1"])})

@@ -67,6 +67,11 @@ def _json(payload: Any, status: int = 200, request_id: str | None = None) -> web
 
 
 def _error(exc: RequestError | KVTransferError | QueueFullError, request_id: str) -> web.Response:
+    if isinstance(exc, KVTransferError):
+        # A failed transfer is the engine's fault, not the client's: log it, as vLLM logs
+        # a failed KV load.
+        log.warning("request %s: KV transfer failed (%s): %s", request_id, exc.reason,
+                    exc.message)
     if isinstance(exc, RequestError):
         body = error_body(exc.message, exc.status, exc.err_type, exc.param)
         return _json(body, exc.status, request_id)

@@ -169,6 +169,10 @@ async def test_bogus_or_missing_kv_fails_clearly(pods: tuple[SimPod, SimPod]) ->
     )
     assert status == 503 and "is not in the store" in answer["error"]["message"]
     assert (await stats(decode))["recent"][-1]["error"] == "missing"
+    # The pod's log says why, as an engine logs a failed KV load (a 5xx the router retried
+    # is otherwise visible nowhere but in its counters).
+    assert "KV transfer failed (missing)" in decode.log_tail()
+    assert "KV transfer failed (wrong_prompt)" in decode.log_tail()
 
 
 def test_store_backed_pod_stops_cleanly(sim_pod: Callable[..., SimPod]) -> None:

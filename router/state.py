@@ -103,8 +103,8 @@ class AppState:
         body: Mapping[str, Any],
     ) -> tuple[str, ...] | None:
         """As the sync's leader, pick the pods for another process's new prompt (as for a
-        request of its own: recorded in the index, but not in the decision metrics, which
-        the asker's own pick counts) and count the request on them for
+        request of its own: recorded in the index, but neither shared nor counted in the
+        decision metrics, which the asker's own pick does) and count the request on them for
         `asker` until its own count arrives. None: unknown server, no pod, or refused by
         the SLO gate (the asker then decides, and gates, itself)."""
         namespace, _, name = server.partition("/")

@@ -43,8 +43,10 @@ class ScheduleRequest:
     #: request (`prepare`); `pick` keeps to them while they are candidates.
     placed: tuple[str, ...] | None = None
     #: False for the pick the sync's leader makes for another process's request: recorded
-    #: in the index like any pick, but left out of this process's decision metrics (the
-    #: asker counts its own pick, so a sum over processes counts each request once).
+    #: in this process's index like any pick, but neither shared over the sync nor counted
+    #: in its decision metrics. The asker records and counts its own pick (had the leader's
+    #: record reached it first, its pick would take the new prompt for cached, and a sum
+    #: over processes would count the request twice).
     counted: bool = True
 
 

@@ -110,12 +110,14 @@ class ApproximatePrefixIndex:
 
     # -- updates --------------------------------------------------------------------------
 
-    def record(self, key: str, hashes: Sequence[int]) -> None:
-        """The prompt with these blocks was sent to pod `key`: it now (likely) caches them."""
+    def record(self, key: str, hashes: Sequence[int], share: bool = True) -> None:
+        """The prompt with these blocks was sent to pod `key`: it now (likely) caches them.
+        `share`: tell `listener` (the other router processes); not for the pick made for
+        another process, which records it itself when it sends the request."""
         if not hashes:
             return
         self.apply_remote(key, hashes)
-        if self.listener is not None:
+        if share and self.listener is not None:
             self.listener(key, hashes)
 
     def apply_remote(self, key: str, hashes: Sequence[int]) -> None:

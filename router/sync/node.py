@@ -36,9 +36,11 @@ there. An answer later than `place_timeout_s` (a busy, lost or partitioned leade
 not waited for: the asker places the prompt itself, as every process does with
 `place_timeout_s` 0. A prompt whose body does not fit one frame is placed where it
 arrived. The cost: a round trip to the leader for each new prompt another process
-receives, and one more pick at the leader (`pdgate_sync_placements_total`; left out of
-the leader's decision metrics, so each request is counted once, by the process serving
-it).
+receives, and one more pick at the leader (`pdgate_sync_placements_total`). That pick
+is recorded in the leader's own index but neither broadcast nor counted in its decision
+metrics: the asker records, broadcasts and counts its own pick when it dispatches, so each
+request is counted once, and the asker does not see its own new prompt as cached (which
+would price its cold prefill as a hit).
 
 Liveness: an origin silent for `ttl_s` is lost: its in-flight counts stop weighing on
 any pod at once, and the router carries on with what it knows itself. Prompts it routed

@@ -389,8 +389,9 @@ def test_tied_prefill_pods_go_to_the_one_predicted_to_start_soonest() -> None:
 def test_a_pick_made_for_a_peer_is_recorded_but_not_counted() -> None:
     """The leader's pick for another process's request (`counted=False`) records the
     prompt in the index like any pick, so the next request for it goes to the same pod,
-    but leaves this process's decision metrics alone: the asker's own pick counts the
-    request, and a sum over processes counts it once."""
+    but neither shares that record nor counts the pick: the asker's own pick does both
+    (a sum over processes counts the request once, and the asker does not see its own new
+    prompt as cached before it sends it)."""
     rt = runtime()
     server = pd_server({f"g{i}": ([f"p{i}"], [f"d{i}"]) for i in range(3)})
     registry = rt.metrics.registry
@@ -402,14 +403,18 @@ def test_a_pick_made_for_a_peer_is_recorded_but_not_counted() -> None:
         return [sample(registry, name, **label) for name, label in zip(names, labels,
                                                                        strict=True)]
 
+    shared: list[str] = []
+    rt.approx.listener = lambda key, hashes: shared.append(key)
     for_peer = request(system="Tenant 1 system prompt. " * 90)
     for_peer.counted = False
     placed = computes_on(rt, server, for_peer)
     assert counted() == [0.0, 0.0, 0.0]
+    assert shared == []  # the asker shares its own record when it sends the request
     own = request(system="Tenant 1 system prompt. " * 90, question="And of Spain?")
     assert computes_on(rt, server, own) == placed  # the peer's pick is in the index
     after = counted()
     assert after[0] == 1 and after[1] > 0, after
+    assert shared == [f"default/{placed}"]
 
 
 def test_precise_prefix_cache_counts_store_hits_at_a_factor() -> None:

@@ -69,7 +69,7 @@ def record_approximate(
     if not hashes:
         return
     approx = deps.approx
-    approx.record(cands.keys[chosen], hashes)
+    approx.record(cands.keys[chosen], hashes, ctx.request.counted)
     pool = ctx.server_costs.pool
     if pool.enabled:
         per_block = approx.block_bytes / max(approx.chars_per_token, 1e-9)

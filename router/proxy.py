@@ -497,10 +497,8 @@ class Proxy:
                 handoff = await attempt.connector.start(
                     self._pd_call(attempt, pick, headers), self.upstream
                 )
-            except BaseException as exc:  # an error, or the client went away
-                if pick.on_prefill_failed is not None:
-                    pick.on_prefill_failed()  # the pod's backlog drops this prefill
-                if tracing is not None and isinstance(exc, UpstreamError):
+            except UpstreamError as exc:
+                if tracing is not None:
                     tracing.fail(span, exc.reason)
                 raise
             finally:

@@ -24,9 +24,6 @@ class Pick:
 
     `on_prefill`: call it with the measured prefill duration (seconds, sequential PD: from
     sending prefill to its KV handle) so that the scheduler's TTFT model calibrates.
-    `on_prefill_failed`: call it when the prefill ends without a KV handle (an error, a
-    cancelled request), so that the pod's predicted backlog drops it at once instead of
-    keeping it until its predicted end (which would steer ties away from the pod).
     """
 
     def __init__(
@@ -36,14 +33,12 @@ class Pick:
         decode_cost: float | None = None,
         prefill_cost: float | None = None,
         on_prefill: Callable[[float], None] | None = None,
-        on_prefill_failed: Callable[[], None] | None = None,
     ) -> None:
         self.decode: Final = decode
         self.prefill: Final = prefill
         self.decode_cost: Final = decode_cost
         self.prefill_cost: Final = prefill_cost
         self.on_prefill: Final = on_prefill
-        self.on_prefill_failed: Final = on_prefill_failed
 
     @property
     def endpoints(self) -> tuple[Endpoint, ...]:

@@ -21,15 +21,11 @@ One decision (`PipelineScheduler.pick`):
    chosen for its warm prefill pod. The pair cost is separable, so this costs
    O(prefill pods + decode pods), not their product.
 5. Ties: every candidate (or group) whose cost is within `tieTolerance` of the best
-   (x one mean prefill time in ttft unit) is equally good. A PD prefill goes first to the
-   tied pods predicted to start it soonest (the prefill backlog, `backlog.py`, within
-   `tieTolerance` x one mean prefill): the scorers price each request in flight at the
-   mean prefill, so a pod busy with one cold prompt ties with a pod busy with one cached
-   one. Among those, one is drawn with the scheduler's `random.Random` (injectable,
-   seedable), never by list order; for a prompt no candidate holds a block of, by
-   rendezvous hashing over the tied candidates' names seeded with its first block's hash
-   (`_tie_breaker`), so that routers sharing state send the same new prompt to the same
-   pod.
+   (x one mean prefill time in ttft unit) is equally good; one is drawn with the
+   scheduler's `random.Random` (injectable, seedable), never by list order; for a prompt
+   no candidate holds a block of, by rendezvous hashing over the tied candidates' names
+   seeded with its first block's hash (`_tie_breaker`), so that routers sharing state
+   send the same new prompt to the same pod.
 6. Dispatch bookkeeping: scorers see the chosen pod (`picked`: the approximate index
    records the prompt, session affinity remembers the pod), the prefix-cache hit
    counters are bumped for the chosen prefill/aggregated pod, the running mean of
@@ -370,25 +366,6 @@ def _tie_breaker(
         return best
 
     return rendezvous
-
-
-def _soonest_first(draw: Draw, wait_of: Callable[[int], float], slack: float) -> Draw:
-    """`draw` among the tied candidates whose predicted wait (`wait_of(index)`, seconds)
-    is within `slack` of the shortest. Why a tie rule and not a cost: pricing the backlog
-    in the cost as well counts every request of this router twice (it is in flight, and
-    queued), which on the scale-out bench moved warm requests off their cached pods (hit
-    rate 81.7% against 88.2%); among candidates the cost cannot tell apart it only
-    decides what was left to chance."""
-
-    def narrowed(ties: list[int], labels: Sequence[str | None]) -> int:
-        waits = [wait_of(i) for i in ties]
-        low = min(waits)
-        if max(waits) <= low + slack:
-            return draw(ties, labels)
-        keep = [i for i, wait in zip(ties, waits, strict=True) if wait <= low + slack]
-        return keep[0] if len(keep) == 1 else draw(keep, labels)
-
-    return narrowed
 
 
 def _choose(
@@ -773,24 +750,12 @@ class PipelineScheduler:
                 else (best_pre[name] + weight * dcost) / (1.0 + weight)
             )
         rng_index = self.deps.rng.randrange
-        tolerance = pre_profile.tolerance(ctx)
-        backlog, now, keys = self.deps.backlog, ctx.now, pre.keys
-
-        def pod_wait(j: int) -> float:
-            return backlog.wait_s(keys[j], now)
-
-        def group_wait(i: int) -> float:
-            name = names[i]
-            return min([pod_wait(j) for j, of in enumerate(pre_of) if of == name])
-
         ties = _tie_breaker(ctx, report, rng_index)
-        slack = pre_profile.tie_tolerance * ctx.mean_prefill_s
-        group = names[_choose(_soonest_first(ties, group_wait, slack), pair_costs, tolerance,
-                              names)]
+        tolerance = pre_profile.tolerance(ctx)
+        group = names[_choose(ties, pair_costs, tolerance, names)]
 
         ctx.role = "prefill"
-        pi = self._within(pre_of, pre_costs, group, tolerance,
-                          _soonest_first(ties, pod_wait, slack), pre.keys)
+        pi = self._within(pre_of, pre_costs, group, tolerance, ties, pre.keys)
         ctx.role = "decode"
         di = self._within(dec_of, dec_costs, group, dec_profile.tolerance(ctx),
                           _at_random(rng_index), dec.keys)

@@ -356,36 +356,6 @@ async def test_a_new_prompt_is_sent_where_the_leader_placed_it() -> None:
     assert computes_on(rt, server, ejected) != "p2"
 
 
-def test_tied_prefill_pods_go_to_the_one_predicted_to_start_soonest() -> None:
-    """Three prefill pods with one request in flight each: least-request prices them
-    alike, but two are busy with a cold prompt's prefill (the backlog predicts 0.3 s of
-    work) and one is not. Every new prompt goes to the free one, whichever pod its
-    rendezvous ranking would have drawn; a prompt cached on a busy pod still goes there
-    (the backlog settles ties only, it does not outweigh the cache)."""
-    groups = {f"g{i}": ([f"p{i}"], [f"d{i}"]) for i in range(3)}
-
-    def loaded() -> tuple[SchedulerRuntime, ServerPods]:
-        rt = runtime()
-        server = pd_server(groups)
-        now = time.monotonic()
-        for g in server.groups:
-            busy(rt, g.prefill[0], 1)
-            if g.group != "g2":
-                rt.deps.backlog.dispatch(g.prefill[0].key, 0.3, now, idle=True)
-        return rt, server
-
-    chosen = []
-    for i in range(8):
-        rt, server = loaded()
-        chosen.append(computes_on(rt, server, request(system=f"Tenant {i} prompt. " * 90)))
-    assert chosen == ["p2"] * 8, chosen
-
-    rt, server = loaded()
-    warm = request(system="Tenant 9 prompt. " * 90)
-    rt.approx.record("default/p0", context(rt, server, warm).prompt.approx_hashes())
-    assert computes_on(rt, server, warm) == "p0"
-
-
 def test_a_pick_made_for_a_peer_is_recorded_but_not_counted() -> None:
     """The leader's pick for another process's request (`counted=False`) records the
     prompt in the index like any pick, so the next request for it goes to the same pod,

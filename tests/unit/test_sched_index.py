@@ -373,6 +373,20 @@ def test_precise_index_is_bounded() -> None:
     assert index.overflow_evictions == 30
 
 
+def test_a_full_pod_sheds_a_sixteenth_of_its_bound_at_once_oldest_first() -> None:
+    index = PrecisePrefixIndex(max_blocks_per_pod=64)
+    index.stored("p", "s", list(range(64)), "GPU")
+    assert index.overflow_evictions == 0
+    index.stored("p", "s", [100], "GPU")  # one past the bound: down to 64 - 64 // 16
+    assert index.blocks_of("p") == set(range(5, 64)) | {100}
+    assert index.overflow_evictions == 5
+    assert index.match(["p"], "s", [0, 1, 2])[0] == [0]  # the shed blocks match nothing
+    assert index.match(["p"], "s", list(range(5, 64)))[0] == [59]
+    index.removed("p", "s", [5, 6], "GPU")
+    index.stored("p", "s", list(range(200, 206)), "GPU")  # back at 64: nothing shed
+    assert index.overflow_evictions == 5 and len(index.blocks_of("p")) == 64
+
+
 def test_precise_index_mirrors_the_simulator_cache_with_evictions() -> None:
     index = PrecisePrefixIndex()
     events: list[Any] = []

@@ -8,7 +8,9 @@ bench`) each go to the one of `--pods` simulated prefill caches
 (`engine_sim.prefix_cache.PrefixCache`, the trace phase's capacity) holding the longest
 prefix; the events those caches report (`BlockStored` / `BlockRemoved`, medium GPU) and
 the Mooncake Store writes of blocks the store did not hold yet (`BlockStored`, medium
-MOONCAKE) are encoded as the simulator's publisher encodes them, one batch per event.
+MOONCAKE) are batched and encoded as the simulator's publisher does (a request's cache
+events in one batch, consecutive evictions merged into one event; its store writes in
+another).
 Then, `--rounds` times, request by request: the router's lazy tokenize-and-hash of the
 prompt against the index so far (`PreciseHasher.leading_hashes`, a fresh tokenizer memo
 each round), then decoding and applying that request's batches to a `PrecisePrefixIndex`
@@ -101,9 +103,14 @@ def window_requests(path: Path, window: int, pods: int) -> tuple[list[Request], 
                     event.block_hashes, event.parent_block_hash, event.token_ids,
                     BLOCK_SIZE, MEDIUM_GPU, event.first_block, None))
             elif isinstance(event, CacheRemoved):
-                events.append(BlockRemoved(block_hashes=list(event.block_hashes),
-                                           medium=MEDIUM_GPU))
+                if events and isinstance(events[-1], BlockRemoved):
+                    events[-1].block_hashes.extend(event.block_hashes)
+                else:
+                    events.append(BlockRemoved(block_hashes=list(event.block_hashes),
+                                               medium=MEDIUM_GPU))
         reported.clear()
+        batches = [events] if events else []
+        events = []
         written = [i for i, h in enumerate(hashes) if h not in in_store]
         in_store.update(hashes)
         start = 0
@@ -117,9 +124,12 @@ def window_requests(path: Path, window: int, pods: int) -> tuple[list[Request], 
                 ids[first * BLOCK_SIZE:(last + 1) * BLOCK_SIZE], BLOCK_SIZE,
                 MEDIUM_MOONCAKE, first, None))
             start = end
-        blocks += sum(len(event.block_hashes) for event in events)
+        if events:
+            batches.append(events)
+        blocks += sum(len(event.block_hashes) for batch in batches for event in batch)
         requests.append(Request(body, [
-            (pod, msgspec.msgpack.encode(KVEventBatch(0.0, [event], None))) for event in events
+            (pod, msgspec.msgpack.encode(KVEventBatch(0.0, list(batch), None)))
+            for batch in batches
         ]))
     return requests, blocks
 

@@ -39,7 +39,7 @@ Tables are plain dicts (insertion-ordered), not `OrderedDict`s: every block of e
 goes through them, and compiled code reaches a plain dict's C functions directly where an
 `OrderedDict` costs a method call and a linked-list node per entry. Measured on the events
 of a Mooncake conversation-trace window (`benchmarks/precise_events.py`: 444k blocks named,
-160k held at the end): the index took 25 MB instead of 40, applying the events 11-17% less
+160k held at the end): the index took 25 MB instead of 40, applying the events 10-15% less
 CPU. Only the LRU pools of engines without store events (`record_pool`) keep an
 `OrderedDict` for `move_to_end`.
 """

@@ -14,10 +14,10 @@ receiver sees the gap in the sender's sequence):
 
 Publishing never waits: a local change (in-flight count, routed prompt, ejection, engine
 scrape) is queued and the queue goes out as ONE frame. A decision another process must
-see before its next pick (a routed prompt, an ejection) is flushed at the next turn of the
-event loop; counts and scrapes within `flush_interval_s` (5 ms), so every request of that
-window shares one send and in-flight counts are coalesced per pod (only the latest count
-is sent: a request that starts and ends within the window costs nothing). Flushing
+see before its next pick (a routed prompt, an ejection, a pod this process had nothing
+on turning busy) is flushed at the next turn of the event loop; other counts and scrapes
+within `flush_interval_s` (5 ms), so every request of that window shares one send and
+in-flight counts are coalesced per pod (only the latest count is sent). Flushing
 everything at the next turn sent a frame on almost every turn under load (acquire and
 release of prefill and decode happen on different turns): one send, and one wake-up of
 every other process, each time. A batch that would encode larger than `MAX_FRAME_BYTES`
@@ -136,6 +136,9 @@ class SyncNode:
         self._capacity: dict[str, int | None] = {}
         self._pending: list[m.Message] = []
         self._pending_inflight: dict[str, int] = {}
+        #: This process's own nonzero counts (pods it has requests on), to tell a pod
+        #: turning busy from any other change of its count.
+        self._busy: dict[str, int] = {}
         self._pending_host: list[m.Message] = []
         self._soon = False  # a flush at the next loop turn is scheduled
         self._timer: asyncio.TimerHandle | None = None  # a flush in `flush_interval_s`
@@ -166,8 +169,19 @@ class SyncNode:
         self._endpoints = snapshot.endpoints()
 
     def _on_inflight(self, key: str, count: int) -> None:
+        """A count changed. A pod this process had nothing on turning busy goes out at the
+        next turn: to the others it looks idle until then, and an idle pod is where their
+        next pick goes (a scale-out pick log showed it: at the opening burst a warm request
+        left its prompt's pod for one the other worker had just sent a request to, that
+        count still waiting out `flush_interval_s`, and the prompt was computed twice).
+        Every other change waits for the window."""
         self._pending_inflight[key] = count
-        self._schedule()
+        idle = key not in self._busy
+        if count > 0:
+            self._busy[key] = count
+        else:
+            self._busy.pop(key, None)
+        self._schedule(soon=idle and count > 0)
 
     def _on_route(self, key: str, hashes: Sequence[int]) -> None:
         self._queue(self._pending, (m.ROUTE, key, list(hashes)), soon=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +89,42 @@ def test_inflight_counts_are_the_sum_of_every_process(pair: tuple[Node, Node, Cl
     one.inflight.release(POD_A)
     one.deliver_to(two)
     assert two.inflight.get(POD_A) == 1 and one.inflight.get(POD_A) == 1
+
+
+async def test_a_pod_turning_busy_reaches_the_peer_at_the_next_turn(
+    pair: tuple[Node, Node, Clock],
+) -> None:
+    """Other count changes wait for the flush window; the one that makes a pod stop
+    looking idle does not (the others' next pick would go there)."""
+    one, two, _ = pair
+    one.node._loop = asyncio.get_running_loop()
+    # The window closes only where the test says so, however slow the machine is.
+    one.node.config = replace(one.node.config, flush_interval_s=3600.0)
+
+    async def next_turn() -> None:
+        await asyncio.sleep(0)
+        for frame in one.frames:
+            two.node.apply(frame)
+        one.frames.clear()
+
+    one.inflight.acquire(POD_A)
+    await next_turn()
+    assert two.inflight.get(POD_A) == 1
+    one.inflight.acquire(POD_A)
+    one.inflight.acquire(POD_B)
+    one.inflight.release(POD_A)
+    await next_turn()  # B turned busy: its count goes, with what else is queued
+    assert two.inflight.get(POD_B) == 1 and two.inflight.get(POD_A) == 1
+    one.inflight.acquire(POD_A)
+    one.inflight.release(POD_B)
+    await next_turn()  # 1 -> 2 and 1 -> 0: within the window
+    assert two.inflight.get(POD_A) == 1 and two.inflight.get(POD_B) == 1
+    one.node.flush()  # the window closes
+    await next_turn()
+    assert two.inflight.get(POD_A) == 2 and two.inflight.get(POD_B) == 0
+    one.inflight.acquire(POD_B)  # idle again, then busy: at once
+    await next_turn()
+    assert two.inflight.get(POD_B) == 1
 
 
 def test_a_lost_message_is_repaired_by_the_heartbeat(pair: tuple[Node, Node, Clock]) -> None:

@@ -136,9 +136,9 @@ class SyncNode:
         self._capacity: dict[str, int | None] = {}
         self._pending: list[m.Message] = []
         self._pending_inflight: dict[str, int] = {}
-        #: This process's own nonzero counts (pods it has requests on), to tell a pod
-        #: turning busy from any other change of its count.
-        self._busy: dict[str, int] = {}
+        #: Pods this process has requests on (at most the pods of its view), to tell a
+        #: pod turning busy from any other change of its count.
+        self._busy: set[str] = set()
         self._pending_host: list[m.Message] = []
         self._soon = False  # a flush at the next loop turn is scheduled
         self._timer: asyncio.TimerHandle | None = None  # a flush in `flush_interval_s`
@@ -178,9 +178,9 @@ class SyncNode:
         self._pending_inflight[key] = count
         idle = key not in self._busy
         if count > 0:
-            self._busy[key] = count
+            self._busy.add(key)
         else:
-            self._busy.pop(key, None)
+            self._busy.discard(key)
         self._schedule(soon=idle and count > 0)
 
     def _on_route(self, key: str, hashes: Sequence[int]) -> None:

@@ -33,15 +33,13 @@ import orjson
 
 from benchmarks.trace import DEFAULT_TRACE, TraceOptions, trace_window
 from engine_sim.block_hash import hash_prompt_blocks
-from engine_sim.cache_events import BlockRemoved as CacheRemoved
-from engine_sim.cache_events import BlockStored as CacheStored
+from engine_sim.cache_events import CacheEvent
 from engine_sim.kv_events_pub import (
-    MEDIUM_GPU,
-    MEDIUM_MOONCAKE,
-    BlockRemoved,
-    BlockStored,
+    Event,
     KVEventBatch,
-    block_stored_event,
+    append_event,
+    store_write_events,
+    wire_event,
 )
 from engine_sim.prefix_cache import PrefixCache
 from engine_sim.prompts import DEFAULT_CHAT_TEMPLATE, DEFAULT_TOKENIZER
@@ -84,7 +82,7 @@ def window_requests(path: Path, window: int, pods: int) -> tuple[list[Request], 
     options = TraceOptions(0, window, 0.4, 0.25, 16)
     specs = trace_window(path, options, "bench-model").specs
     tokenizer = _tokenizer()
-    reported: list[object] = []
+    reported: list[CacheEvent] = []
     caches = [PrefixCache(CAPACITY_BLOCKS, BLOCK_SIZE, on_event=reported.append)
               for _ in range(pods)]
     in_store: set[int] = set()
@@ -96,39 +94,18 @@ def window_requests(path: Path, window: int, pods: int) -> tuple[list[Request], 
         hashes = hash_prompt_blocks(ids, BLOCK_SIZE)
         pod = max(range(pods), key=lambda p: (caches[p].match(hashes), (index - p) % pods))
         caches[pod].release(caches[pod].acquire(hashes, ids))
-        events: list[BlockStored | BlockRemoved] = []
-        for event in reported:
-            if isinstance(event, CacheStored):
-                events.append(block_stored_event(
-                    event.block_hashes, event.parent_block_hash, event.token_ids,
-                    BLOCK_SIZE, MEDIUM_GPU, event.first_block, None))
-            elif isinstance(event, CacheRemoved):
-                if events and isinstance(events[-1], BlockRemoved):
-                    events[-1].block_hashes.extend(event.block_hashes)
-                else:
-                    events.append(BlockRemoved(block_hashes=list(event.block_hashes),
-                                               medium=MEDIUM_GPU))
+        cache_events: list[Event] = []
+        for reported_event in reported:
+            append_event(cache_events, wire_event(reported_event))
         reported.clear()
-        batches = [events] if events else []
-        events = []
         written = [i for i, h in enumerate(hashes) if h not in in_store]
         in_store.update(hashes)
-        start = 0
-        while start < len(written):  # one store event per run of consecutive blocks
-            end = start + 1
-            while end < len(written) and written[end] == written[end - 1] + 1:
-                end += 1
-            first, last = written[start], written[end - 1]
-            events.append(block_stored_event(
-                hashes[first:last + 1], hashes[first - 1] if first else None,
-                ids[first * BLOCK_SIZE:(last + 1) * BLOCK_SIZE], BLOCK_SIZE,
-                MEDIUM_MOONCAKE, first, None))
-            start = end
-        if events:
-            batches.append(events)
-        blocks += sum(len(event.block_hashes) for batch in batches for event in batch)
+        store_events: list[Event] = list(store_write_events(hashes, written, ids, BLOCK_SIZE))
+        batches = [batch for batch in (cache_events, store_events) if batch]
+        blocks += sum(len(getattr(event, "block_hashes", ())) for batch in batches
+                      for event in batch)
         requests.append(Request(body, [
-            (pod, msgspec.msgpack.encode(KVEventBatch(0.0, list(batch), None)))
+            (pod, msgspec.msgpack.encode(KVEventBatch(0.0, batch, None)))
             for batch in batches
         ]))
     return requests, blocks

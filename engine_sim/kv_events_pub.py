@@ -58,7 +58,6 @@ import orjson
 import zmq
 from aiohttp import web
 
-from engine_sim.cache_events import AllBlocksCleared as CacheCleared
 from engine_sim.cache_events import BlockRemoved as CacheRemoved
 from engine_sim.cache_events import BlockStored as CacheStored
 from engine_sim.cache_events import CacheEvent
@@ -160,6 +159,60 @@ def block_stored_event(
     )
 
 
+def wire_event(event: CacheEvent) -> Event:
+    """The event vLLM publishes for one of the prefix cache's (the pod's own GPU cache)."""
+    if isinstance(event, CacheStored):
+        return block_stored_event(
+            event.block_hashes, event.parent_block_hash, event.token_ids,
+            event.block_size, MEDIUM_GPU, event.first_block, event.cache_salt,
+        )
+    if isinstance(event, CacheRemoved):
+        return BlockRemoved(block_hashes=list(event.block_hashes), medium=MEDIUM_GPU)
+    return AllBlocksCleared()
+
+
+def store_write_events(
+    block_hashes: Sequence[int],
+    written: Sequence[int],
+    token_ids: Sequence[int],
+    block_size: int,
+    cache_salt: str | None = None,
+) -> list[BlockStored]:
+    """The events of blocks `written` (indices into the prompt's `block_hashes`) going to
+    the store: one `BlockStored(medium="MOONCAKE")` per run of consecutive blocks, its
+    parent the block before the run, as vLLM reports a run of new blocks."""
+    events: list[BlockStored] = []
+    start = 0
+    while start < len(written):
+        end = start + 1
+        while end < len(written) and written[end] == written[end - 1] + 1:
+            end += 1
+        first, last = written[start], written[end - 1]
+        events.append(
+            block_stored_event(
+                block_hashes[first : last + 1],
+                block_hashes[first - 1] if first > 0 else None,
+                token_ids[first * block_size : (last + 1) * block_size],
+                block_size, MEDIUM_MOONCAKE, first, cache_salt,
+            )
+        )
+        start = end
+    return events
+
+
+def append_event(pending: list[Event], event: Event) -> None:
+    """Add `event` to one tick's batch: evictions of one medium in a row are one event."""
+    last = pending[-1] if pending else None
+    if (
+        isinstance(event, BlockRemoved)
+        and isinstance(last, BlockRemoved)
+        and last.medium == event.medium
+    ):
+        last.block_hashes.extend(event.block_hashes)
+    else:
+        pending.append(event)
+
+
 class KVEventsError(Exception):
     """An explicitly requested KV events port could not be bound."""
 
@@ -246,17 +299,7 @@ class KVEventPublisher:
 
     def on_cache_event(self, event: CacheEvent) -> None:
         """The prefix cache's hook (`PrefixCache(on_event=...)`): the pod's own GPU cache."""
-        if isinstance(event, CacheStored):
-            self._add(
-                block_stored_event(
-                    event.block_hashes, event.parent_block_hash, event.token_ids,
-                    event.block_size, MEDIUM_GPU, event.first_block, event.cache_salt,
-                )
-            )
-        elif isinstance(event, CacheRemoved):
-            self._add(BlockRemoved(block_hashes=list(event.block_hashes), medium=MEDIUM_GPU))
-        elif isinstance(event, CacheCleared):
-            self._add(AllBlocksCleared())
+        self._add(wire_event(event))
 
     def store_written(
         self,
@@ -266,40 +309,17 @@ class KVEventPublisher:
         block_size: int,
         cache_salt: str | None = None,
     ) -> None:
-        """Blocks `written` (indices into the prompt's `block_hashes`) went to the store.
-
-        One `BlockStored(medium="MOONCAKE")` per run of consecutive blocks, its parent the
-        block before the run, as vLLM reports a run of new blocks.
-        """
-        start = 0
-        while start < len(written):
-            end = start + 1
-            while end < len(written) and written[end] == written[end - 1] + 1:
-                end += 1
-            first, last = written[start], written[end - 1]
-            self._add(
-                block_stored_event(
-                    block_hashes[first : last + 1],
-                    block_hashes[first - 1] if first > 0 else None,
-                    token_ids[first * block_size : (last + 1) * block_size],
-                    block_size, MEDIUM_MOONCAKE, first, cache_salt,
-                )
-            )
-            start = end
+        """Blocks `written` (indices into the prompt's `block_hashes`) went to the store
+        (`store_write_events`)."""
+        for event in store_write_events(block_hashes, written, token_ids, block_size,
+                                        cache_salt):
+            self._add(event)
 
     def _add(self, event: Event) -> None:
         if self._closed:
             return
         pending = self._pending
-        last = pending[-1] if pending else None
-        if (
-            isinstance(event, BlockRemoved)
-            and isinstance(last, BlockRemoved)
-            and last.medium == event.medium
-        ):
-            last.block_hashes.extend(event.block_hashes)  # evictions of one tick: one event
-        else:
-            pending.append(event)
+        append_event(pending, event)
         if len(pending) >= MAX_BATCH_EVENTS:
             self.flush()
         elif not self._flush_scheduled:

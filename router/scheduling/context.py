@@ -31,6 +31,7 @@ from router.scheduling.block_hash import (
     salt_of,
 )
 from router.scheduling.fallback import PreciseFallback
+from router.scheduling.metrics import DecisionCounts
 from router.scheduling.metrics_scraper import EngineLoad, EngineMetricsStore
 from router.scheduling.pool_view import PendingWrites, PoolSettings, PoolView, pool_settings
 from router.scheduling.precise_index import PrecisePrefixIndex
@@ -465,6 +466,7 @@ class PickContext:
         "backlog_s",
         "compute_tokens",
         "cost",
+        "counts",
         "deps",
         "fit",
         "mean_prefill_s",
@@ -492,9 +494,12 @@ class PickContext:
         deps: SchedulerDeps,
         cost: CostModel,
         now: float,
+        counts: DecisionCounts,
         server_costs: ServerCosts | None = None,
     ) -> None:
         self.request = request
+        #: Where this decision's observations go (`metrics.DecisionCounts`).
+        self.counts = counts
         self.server = server
         self.prompt = prompt
         self.deps = deps

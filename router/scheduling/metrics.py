@@ -9,6 +9,10 @@ blocks looked up and hit) are plain numbers exported by a collector (`router.tal
 `BucketCounts`, `Tally`): a prometheus-client child takes a lock and a few calls per
 observation, 1-2.5 µs, a large share of a ~20 µs decision. The scheduler runs on the
 event loop only, so nothing else writes them; an exposition reads each number once.
+
+Everything a decision adds is in one `DecisionCounts`. The exported one belongs to
+`SchedulerMetrics`; a pick the leader makes for a peer's request (`router.sync`) is the
+peer's decision, counted there, so it goes to a set nobody exports, chosen once per pick.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ TTFT_BUCKETS: Final = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 )  # fmt: skip
 INDEX_KINDS: Final = ("approximate", "precise")
+GUARD_ROLES: Final = ("prefill", "decode", "aggregated")
+SLO_OUTCOMES: Final = ("admitted", "rejected", "queued")
 
 
 class CounterSource(Protocol):
@@ -40,6 +46,42 @@ class CounterSource(Protocol):
 
     @property
     def value(self) -> float: ...
+
+
+class Increment(Protocol):
+    """A counter a decision bumps (a `Tally`, or a prometheus-client child)."""
+
+    def inc(self, amount: float = 1.0) -> None: ...
+
+
+class DecisionCounts:
+    """What decisions add to the metrics: their time, their predicted TTFT, the prefix
+    blocks looked up and hit, the load guard's overrides and the SLO gate's outcomes.
+    Built bare (plain tallies that nothing exports) for the picks that must not count;
+    `SchedulerMetrics` builds the exported set with its own guard and SLO children."""
+
+    __slots__ = (
+        "decision_aggregated", "decision_pd", "guard", "hits", "predicted_aggregated",
+        "predicted_pd", "queries", "slo",
+    )
+
+    def __init__(
+        self,
+        guard: Mapping[str, Increment] | None = None,
+        slo: Mapping[str, Increment] | None = None,
+    ) -> None:
+        self.queries = {kind: Tally() for kind in INDEX_KINDS}
+        self.hits = {kind: Tally() for kind in INDEX_KINDS}
+        self.decision_pd = BucketCounts(DECISION_BUCKETS)
+        self.decision_aggregated = BucketCounts(DECISION_BUCKETS)
+        self.predicted_pd = BucketCounts(TTFT_BUCKETS)
+        self.predicted_aggregated = BucketCounts(TTFT_BUCKETS)
+        self.guard: Mapping[str, Increment] = (
+            guard if guard is not None else {role: Tally() for role in GUARD_ROLES}
+        )
+        self.slo: Mapping[str, Increment] = (
+            slo if slo is not None else {outcome: Tally() for outcome in SLO_OUTCOMES}
+        )
 
 
 class _LocalCollector(Collector):
@@ -70,8 +112,21 @@ class SchedulerMetrics:
     ) -> None:
         self.registry = registry
         local = _LocalCollector()
-        self.queries = {kind: Tally() for kind in INDEX_KINDS}
-        self.hits = {kind: Tally() for kind in INDEX_KINDS}
+        self.guard_overrides = Counter(
+            "pdgate_scheduler_guard_overrides",
+            "Picks where the load guard overrode the best-scored (cache-affine) pod.",
+            ["role"], registry=registry,
+        )
+        self.slo_admission = Counter(
+            "pdgate_scheduler_slo_admission",
+            "TTFT-SLO gate decisions: admitted, rejected (429), queued (waited first).",
+            ["outcome"], registry=registry,
+        )
+        #: What this router's own decisions add (exported).
+        self.decisions = decisions = DecisionCounts(
+            guard={role: self.guard_overrides.labels(role=role) for role in GUARD_ROLES},
+            slo={o: self.slo_admission.labels(outcome=o) for o in SLO_OUTCOMES},
+        )
         #: Thread CPU seconds of work done beside the requests' own handling, measured
         #: where it runs: what the precise index costs. `kv_events` is counted on the
         #: event loop (`kv_events.PodEventStream`); `tokenize` is the tokenize threads'
@@ -84,10 +139,10 @@ class SchedulerMetrics:
         local.counters += [
             ("pdgate_prefix_cache_queries",
              "Prompt blocks looked up for the pod each request was sent to (prefill or "
-             "aggregated), by index.", "index", self.queries),
+             "aggregated), by index.", "index", decisions.queries),
             ("pdgate_prefix_cache_hits",
              "Prompt blocks the chosen pod held according to the index, by index.",
-             "index", self.hits),
+             "index", decisions.hits),
             ("pdgate_background_cpu_seconds",
              "Thread CPU seconds spent beside request handling: applying KV events to the "
              "precise index (kv_events), tokenizing prompts off the event loop (tokenize).",
@@ -106,29 +161,16 @@ class SchedulerMetrics:
             "Entries a prefix index dropped to stay within its bounds (since start).",
             ["index"], registry=registry,
         )
-        self.decision_pd = BucketCounts(DECISION_BUCKETS)
-        self.decision_aggregated = BucketCounts(DECISION_BUCKETS)
-        self.predicted_pd = BucketCounts(TTFT_BUCKETS)
-        self.predicted_aggregated = BucketCounts(TTFT_BUCKETS)
         local.histograms += [
             ("pdgate_scheduler_decision_seconds",
              "Time the scheduler took to pick the pods of one request.", "kind",
-             {"pd": self.decision_pd, "aggregated": self.decision_aggregated}),
+             {"pd": decisions.decision_pd, "aggregated": decisions.decision_aggregated}),
             ("pdgate_scheduler_predicted_ttft_seconds",
              "Predicted time to first token of the chosen pods (ttft-unit profiles): queue "
              "wait + uncached prefill + transfer. Compare with pdgate_ttft_seconds.", "kind",
-             {"pd": self.predicted_pd, "aggregated": self.predicted_aggregated}),
+             {"pd": decisions.predicted_pd, "aggregated": decisions.predicted_aggregated}),
         ]  # fmt: skip
         registry.register(local)
-        self.guard_overrides = Counter(
-            "pdgate_scheduler_guard_overrides",
-            "Picks where the load guard overrode the best-scored (cache-affine) pod.",
-            ["role"], registry=registry,
-        )
-        self.guard = {
-            role: self.guard_overrides.labels(role=role)
-            for role in ("prefill", "decode", "aggregated")
-        }
         self.filter_fallbacks = Counter(
             "pdgate_scheduler_filter_fallbacks",
             "Times a filter would have removed every candidate and was skipped.",
@@ -159,15 +201,6 @@ class SchedulerMetrics:
             "Precise index resyncs of one pod: replay, clear (replay failed), restart.",
             ["how"], registry=registry,
         )
-        self.slo_admission = Counter(
-            "pdgate_scheduler_slo_admission",
-            "TTFT-SLO gate decisions: admitted, rejected (429), queued (waited first).",
-            ["outcome"], registry=registry,
-        )
-        self.slo = {
-            outcome: self.slo_admission.labels(outcome=outcome)
-            for outcome in ("admitted", "rejected", "queued")
-        }
         self.prefill_error = Histogram(
             "pdgate_scheduler_prefill_prediction_error_seconds",
             "|predicted - measured| prefill phase time (queue + prefill + pool pull) of "

@@ -58,7 +58,7 @@ from router.scheduling.context import (
     ServerCosts,
 )
 from router.scheduling.filters import FILTERS, Filter
-from router.scheduling.metrics import SchedulerMetrics
+from router.scheduling.metrics import DecisionCounts, SchedulerMetrics
 from router.scheduling.scorers import SCORERS, Scorer
 from router.scheduling.slo import Prediction, SLOGate
 from router.scheduling.ttft_model import PrefillFit
@@ -394,6 +394,8 @@ class PipelineScheduler:
         self._layouts: dict[int, tuple[ServerPods, _Layout]] = {}
         deps.ttft.configure(config.cost_model.seed(), config.ttft_model)
         self._slo = SLOGate(config.slo, metrics)
+        #: Where picks that must not count go (a peer's request, `predict`): never exported.
+        self._uncounted = DecisionCounts()
 
     @property
     def config(self) -> SchedulerConfig:
@@ -528,34 +530,33 @@ class PipelineScheduler:
             # avoided, so the pick keeps to those while they are candidates (not ejected
             # here, not avoided by a retry).
             avoid = frozenset(k for k in (*layout.keys, *layout.decode_keys) if k not in placed)
-        decision = self._decide(server, request, avoid, layout)
+        counts = self.metrics.decisions if request.counted else self._uncounted
+        decision = self._decide(server, request, avoid, layout, counts)
         if decision is not None:
             if decision.predicted is not None and self._slo.config.enabled:
-                self._slo.check(layout.costs, decision.prediction(), request.counted)
+                self._slo.check(layout.costs, decision.prediction(), counts)
             decision.commit()
-        if request.counted:
-            metrics = self.metrics
-            observe = metrics.decision_pd if server.is_pd else metrics.decision_aggregated
-            observe.observe(time.perf_counter() - started)
+        observe = counts.decision_pd if server.is_pd else counts.decision_aggregated
+        observe.observe(time.perf_counter() - started)
         return None if decision is None else decision.pick
 
     def predict(
         self, server: ServerPods, request: ScheduleRequest, avoid: frozenset[str] = frozenset()
     ) -> Prediction | None:
         """The predicted TTFT of the pods `pick` would choose now, recording nothing."""
-        decision = self._decide(server, request, avoid, self._layout(server))
+        decision = self._decide(server, request, avoid, self._layout(server), self._uncounted)
         return None if decision is None else decision.prediction()
 
     def _decide(
         self, server: ServerPods, request: ScheduleRequest, avoid: frozenset[str],
-        layout: _Layout,
+        layout: _Layout, counts: DecisionCounts,
     ) -> _Decision | None:
         now = self._clock()
         self.deps.pending.flush(now)
         profiles = self._profiles
         ctx = PickContext(
             request, server, self._prompt(server, request), self.deps,
-            profiles.config.cost_model, now, layout.costs,
+            profiles.config.cost_model, now, counts, layout.costs,
         )
         if _one_pod(server, request.flow):
             return self._pick_single(profiles, ctx, server, avoid, layout)
@@ -633,11 +634,10 @@ class PipelineScheduler:
 
         def commit() -> None:
             self._dispatched(ctx, profile, cands, index, report)
-            if ctx.request.counted:
-                if guarded:
-                    self.metrics.guard["aggregated"].inc()
-                if predicted is not None:
-                    self.metrics.predicted_aggregated.observe(predicted)
+            if guarded:
+                ctx.counts.guard["aggregated"].inc()
+            if predicted is not None:
+                ctx.counts.predicted_aggregated.observe(predicted)
 
         pick = Pick(decode=cands.pods[index], decode_cost=costs[index])
         idle = 0.0 if predicted is None else ctx.fit.predict(ctx.prompt.token_count())
@@ -779,14 +779,13 @@ class PipelineScheduler:
             ctx.role = "decode"
             for scorer in dec_profile.recorders:
                 scorer.picked(ctx, dec, di)
-            if ctx.request.counted:
-                metrics = self.metrics
-                if pre_guarded:
-                    metrics.guard["prefill"].inc()
-                if dec_guarded:
-                    metrics.guard["decode"].inc()
-                if predicted is not None:
-                    metrics.predicted_pd.observe(predicted)
+            counts = ctx.counts
+            if pre_guarded:
+                counts.guard["prefill"].inc()
+            if dec_guarded:
+                counts.guard["decode"].inc()
+            if predicted is not None:
+                counts.predicted_pd.observe(predicted)
 
         pick = Pick(decode=dec.pods[di], prefill=pre.pods[pi], decode_cost=dec_costs[di],
                     prefill_cost=pre_costs[pi],
@@ -844,15 +843,13 @@ class PipelineScheduler:
     ) -> None:
         for scorer in profile.recorders:
             scorer.picked(ctx, cands, index)
-        metrics = self.metrics
-        counted = ctx.request.counted
+        counts = ctx.counts
         cached: float | None = None
         if report.approx_depths is not None and report.approx_total:
             depth = report.approx_depths[index]
-            if counted:
-                metrics.queries["approximate"].inc(report.approx_total)
-                if depth:
-                    metrics.hits["approximate"].inc(depth)
+            counts.queries["approximate"].inc(report.approx_total)
+            if depth:
+                counts.hits["approximate"].inc(depth)
             cached = depth / report.approx_total
         if (
             report.precise_local is not None
@@ -861,10 +858,9 @@ class PipelineScheduler:
         ):
             local = report.precise_local[index]
             reach = report.precise_reach[index]
-            if counted:
-                metrics.queries["precise"].inc(report.precise_total)
-                if reach:
-                    metrics.hits["precise"].inc(reach)
+            counts.queries["precise"].inc(report.precise_total)
+            if reach:
+                counts.hits["precise"].inc(reach)
             cached = (local + report.store_factor * (reach - local)) / report.precise_total
         if report.approx_depths is None and report.precise_local is None:
             # No prefix scorer: what this pod has cached is unknown, and counting the whole

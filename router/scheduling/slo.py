@@ -37,7 +37,7 @@ from typing import Final, Literal
 
 from router.errors import APIError
 from router.scheduling.context import ServerCosts
-from router.scheduling.metrics import SchedulerMetrics
+from router.scheduling.metrics import DecisionCounts, SchedulerMetrics
 
 #: Slack in comparing a prediction with its target: the prediction is a sum of costs, and
 #: its rounding must not refuse a request predicted exactly at its idle TTFT (k = 1).
@@ -104,21 +104,19 @@ class SLOGate:
         )
 
     def check(
-        self, costs: ServerCosts, prediction: Prediction | None, count: bool = True
+        self, costs: ServerCosts, prediction: Prediction | None, counts: DecisionCounts
     ) -> None:
-        """Raise the 429 when the prediction is beyond the request's target. `count`:
-        record the outcome in the admission metric (not for a pick made for a peer)."""
+        """Raise the 429 when the prediction is beyond the request's target; the outcome
+        goes to `counts` (the pick's: see `metrics.DecisionCounts`)."""
         if prediction is None:
             return
         target = self.target(costs, prediction.idle_s)
         if target <= 0:
             return
         if prediction.ttft_s > target + _SLACK_S:
-            if count:
-                self.metrics.slo["rejected"].inc()
+            counts.slo["rejected"].inc()
             raise slo_rejection(prediction.ttft_s, target, self.config.retry_after_s)
-        if count:
-            self.metrics.slo["admitted"].inc()
+        counts.slo["admitted"].inc()
 
     async def wait(
         self, costs: ServerCosts, predict: Callable[[], Prediction | None]
@@ -130,7 +128,7 @@ class SLOGate:
             return
         if self._fits(costs, predict()):
             return
-        self.metrics.slo["queued"].inc()
+        self.metrics.decisions.slo["queued"].inc()
         deadline = time.monotonic() + config.max_queue_wait_s
         while time.monotonic() < deadline:
             await asyncio.sleep(config.queue_poll_s)

@@ -97,7 +97,8 @@ def context(rt: SchedulerRuntime, server: ServerPods, req: ScheduleRequest) -> P
     a = rt.config.approximate_index
     prompt = PromptInfo(req, rt.deps.hasher, a.block_bytes, a.max_prompt_blocks,
                         a.chars_per_token)
-    return PickContext(req, server, prompt, rt.deps, rt.config.cost_model, time.monotonic())
+    return PickContext(req, server, prompt, rt.deps, rt.config.cost_model, time.monotonic(),
+                       rt.metrics.decisions)
 
 
 def candidates(rt: SchedulerRuntime, pods: list[Endpoint]) -> Candidates:
@@ -858,10 +859,10 @@ def test_lock_free_decision_metrics_expose_what_prometheus_client_would() -> Non
     counter = PromCounter("pdgate_prefix_cache_hits", "", ["index"], registry=theirs)
     values = [0.0, 5e-6, 5.0001e-6, 1e-5, 3e-5, 0.05, 0.0500001, 7.0, *DECISION_BUCKETS]
     for v in values:
-        metrics.decision_pd.observe(v)
+        metrics.decisions.decision_pd.observe(v)
         histogram.labels(kind="pd").observe(v)
-    metrics.hits["approximate"].inc(3)
-    metrics.hits["approximate"].inc(4)
+    metrics.decisions.hits["approximate"].inc(3)
+    metrics.decisions.hits["approximate"].inc(4)
     counter.labels(index="approximate").inc(7)
     compared = 0
     for family in theirs.collect():

@@ -8,8 +8,9 @@ Router `cache_aware` and `round_robin`): a fresh Mooncake master and G PD groups
 prefill engines read prefix blocks from the Mooncake Store (`--store-prefix-cache`; not
 for `local`, Mooncake's "local cache-aware" baseline, where a prefix is reused only on
 the engine that computed it), serve one
-prefill at a time (`--max-num-seqs 1`, compute-bound) and hold `capacity_share` of the
-window's distinct prompt tokens in their own KV cache. KV moves at the simulator's MLA
+prefill at a time (`--max-num-seqs 1`, compute-bound) and hold `--trace-cache-share`
+(default 15%) of the window's distinct prompt tokens in their own KV cache: how much of
+the reuse `local` can keep without the pool depends on it. KV moves at the simulator's MLA
 bytes per token over 12.5 GB/s; the store carries 64-byte proofs per block.
 
 The prefill cost per token is derived from the window so that the prefill pods would be
@@ -111,13 +112,16 @@ PEERS: Final = ("cache_aware", "round_robin")
 #: Policies whose prefill engines do not read the pool (Mooncake's "local cache-aware"
 #: scheduling: a prefix is reused only where it was computed; no pulls from the store).
 LOCAL_ONLY: Final = frozenset({"local"})
+#: Each prefill engine's own KV cache, as a share of the window's distinct prompt tokens
+#: (about 1.4M tokens of the unscaled conversation trace's first 800 requests).
+CACHE_SHARE: Final = 0.15
 
 
 @dataclass(frozen=True, slots=True)
 class TraceBenchConfig:
     groups: int = 4
     busy: float = 0.8
-    capacity_share: float = 0.15
+    capacity_share: float = CACHE_SHARE
     request_timeout: float = 180.0
     policies: tuple[str, ...] = DEFAULT_POLICIES
     peers: tuple[str, ...] = PEERS
@@ -495,6 +499,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "blocks)")
     add("--trace-max-output", type=int, default=16, help="cap on output tokens")
     add("--trace-groups", type=int, default=4, help="PD groups")
+    add("--trace-cache-share", type=float, default=CACHE_SHARE,
+        help="each prefill engine's own KV cache, as a share of the window's distinct "
+             "prompt tokens")
     add("--trace-policies", default=",".join(DEFAULT_POLICIES),
         help=f"pdgate policies, of: {', '.join(TRACE_POLICIES)}")
     add("--trace-peers", default=",".join(PEERS), help="vLLM Router policies")
@@ -508,8 +515,11 @@ def options_of(args: argparse.Namespace) -> tuple[list[Path], TraceOptions, Trac
     unknown = [p for p in policies if p not in TRACE_POLICIES]
     if unknown:
         raise SystemExit(f"unknown trace policies {unknown} (known: {list(TRACE_POLICIES)})")
+    if not 0 < args.trace_cache_share <= 1:
+        raise SystemExit("--trace-cache-share must be in (0, 1]")
     config = TraceBenchConfig(groups=args.trace_groups, policies=policies,
-                              peers=tuple(p for p in args.trace_peers.split(",") if p))
+                              peers=tuple(p for p in args.trace_peers.split(",") if p),
+                              capacity_share=args.trace_cache_share)
     return paths, options, config
 
 

@@ -3,6 +3,7 @@ best hit rate, and the open-loop replay at the trace's times (on a tiny trace wr
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from collections.abc import AsyncIterator
@@ -34,7 +35,10 @@ from benchmarks.trace_bench import (
     TraceBenchConfig,
     TraceRun,
     TraceSLO,
+    add_arguments,
+    options_of,
     render,
+    shape_for,
     specs_for,
 )
 from benchmarks.words import sim_tokenizer
@@ -127,6 +131,29 @@ def test_trace_window_builds_one_request_per_record(tmp_path: Path) -> None:
     words = [len(b["messages"][0]["content"].split()) for b in bodies]
     assert words == [250, 75, 350, 128]
     assert window.unique_tokens() == 5 * 128 and window.duration_s == 6.0
+
+
+def test_the_engines_own_cache_is_the_share_of_distinct_tokens_asked_for(
+    tmp_path: Path,
+) -> None:
+    """`--trace-cache-share`: each prefill engine's KV cache (in 16-token blocks) is that
+    share of the window's distinct prompt tokens; the default is `TraceBenchConfig`'s."""
+    long = [{"timestamp": 0, "input_length": 200 * 512, "output_length": 4,
+             "hash_ids": list(range(200))}]
+    path = _write(tmp_path, long)
+    window = trace_window(path, TraceOptions(token_scale=1.0), "m")
+
+    def prefill_blocks(*argv: str) -> int:
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        _, _, config = options_of(parser.parse_args(["--trace", str(path), *argv]))
+        flags = shape_for(window, config)[0].prefill_flags
+        return int(flags[flags.index("--kv-capacity-blocks") + 1])
+
+    assert prefill_blocks() == int(0.15 * 200 * 512 / 16)
+    assert prefill_blocks("--trace-cache-share", "0.05") == int(0.05 * 200 * 512 / 16)
+    with pytest.raises(SystemExit):
+        prefill_blocks("--trace-cache-share", "0")
 
 
 ARRIVED = web.AppKey("arrived", list[float])

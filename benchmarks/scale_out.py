@@ -54,7 +54,7 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import aiohttp
 import orjson
@@ -139,7 +139,14 @@ def split_prompts(placements: Sequence[Placement], routers: int) -> Splits:
 
 
 class _PodsOnly(PolicyCluster):
-    """The pods and their config, no in-process router."""
+    """The pods and their config, no in-process router. The routers' policy is fixed per
+    run, so their precise index is pdgate's default ("auto": off for `prefix-cache`);
+    always on, every process applied every KV event to an index no scorer read, which
+    `--workers 2` and two replicas paid twice."""
+
+    def __init__(self, workdir: Path, **kwargs: Any) -> None:
+        super().__init__(workdir, **kwargs)
+        self.precise = "auto"
 
     async def _start_router(self) -> None:
         return None

@@ -184,13 +184,17 @@ POLICIES: Final[dict[str, dict[str, Any]]] = {
 }
 
 
-def policy_document(name: str, profiles: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The whole scheduler YAML of a policy (KV events always on: any run may be precise)."""
+def policy_document(
+    name: str, profiles: dict[str, Any] | None = None, precise: bool | str = True
+) -> dict[str, Any]:
+    """The whole scheduler YAML of a policy. `precise`: the precise index's `enabled`
+    (on by default: a cluster whose router is switched between policies may run a precise
+    one next; "auto": only when a profile uses it, pdgate's own default)."""
     return {
         "apiVersion": "pdgate.io/v1alpha1",
         "kind": "SchedulerConfig",
         "profiles": POLICIES[name] if profiles is None else profiles,
-        "preciseIndex": {"enabled": True},
+        "preciseIndex": {"enabled": precise},
         "reload": {"interval": "100ms"},
     }
 
@@ -338,6 +342,8 @@ class PolicyCluster:
         self.port = 0
         self.router_port = 0
         self.policy = policy
+        #: The scheduler YAML's `preciseIndex.enabled` (see `policy_document`).
+        self.precise: bool | str = True
         self.state: AppState | None = None
         self._server: uvicorn.Server | None = None
         self._serving: asyncio.Task[None] | None = None
@@ -385,7 +391,7 @@ class PolicyCluster:
         )
         await asyncio.gather(*(self._wait_healthy(pod) for pod in self.pods))
         _write_yaml(self.config_dir / "cluster.yaml", _manifests(self.port, self.pods))
-        _write_yaml(self.scheduler_file, [policy_document(self.policy)])
+        _write_yaml(self.scheduler_file, [policy_document(self.policy, precise=self.precise)])
         await self._start_router()
 
     def _spawn(self, pod: PodPlan) -> None:
@@ -456,7 +462,7 @@ class PolicyCluster:
 
         `profiles` replaces the named policy's profiles (a variant for one test).
         """
-        document = policy_document(policy, profiles)
+        document = policy_document(policy, profiles, precise=self.precise)
         expected: SchedulerConfig = parse_scheduler_config(document)
         _write_yaml(self.scheduler_file, [document])
         deadline = time.monotonic() + 10

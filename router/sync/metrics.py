@@ -43,9 +43,16 @@ class SyncMetrics:
             "pdgate_sync_info", "This process's identity in the state sync (value 1).",
             ["origin"], registry=registry,
         )
-        for state in ("live", "lost"):
-            self.peers.labels(state=state).set(0)
-        for direction in ("sent", "received", "dropped", "relayed"):
-            self.messages.labels(direction=direction)
-        for outcome in ("answered", "timeout", "none", "served"):
-            self.placements.labels(outcome=outcome)
+        # Children resolved once: `labels()` costs a lock and a tuple lookup per call, and
+        # messages are counted on every frame.
+        self.peer_state = {state: self.peers.labels(state=state) for state in ("live", "lost")}
+        for child in self.peer_state.values():
+            child.set(0)
+        self.message = {
+            direction: self.messages.labels(direction=direction)
+            for direction in ("sent", "received", "dropped", "relayed")
+        }
+        self.placement = {
+            outcome: self.placements.labels(outcome=outcome)
+            for outcome in ("answered", "timeout", "none", "served")
+        }

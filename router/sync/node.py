@@ -197,7 +197,7 @@ class SyncNode:
 
     def _queue(self, queue: list[m.Message], message: m.Message, soon: bool = False) -> None:
         if len(queue) >= MAX_PENDING_MESSAGES:
-            self.metrics.messages.labels(direction="dropped").inc()
+            self.metrics.message["dropped"].inc()
             return
         queue.append(message)
         self._schedule(soon)
@@ -240,7 +240,7 @@ class SyncNode:
             self._send_frame(frame, len(batch), host_only)
         elif len(batch) == 1:
             log.warning("sync: a message of %d bytes is too large to send", len(frame))
-            self.metrics.messages.labels(direction="dropped").inc()
+            self.metrics.message["dropped"].inc()
         else:
             half = len(batch) // 2
             self._send_batch(batch[:half], host_only)
@@ -255,13 +255,13 @@ class SyncNode:
             try:
                 self._peer_pub.send(frame, zmq.NOBLOCK)
             except zmq.Again:  # no PUB blocks, but be sure: a full queue drops, never waits
-                self.metrics.messages.labels(direction="dropped").inc(count)
+                self.metrics.message["dropped"].inc(count)
                 return
         if self._local is not None or self._peer_pub is not None:
-            self.metrics.messages.labels(direction="sent").inc(count)
+            self.metrics.message["sent"].inc(count)
 
     def _frames_dropped(self, frames: int) -> None:
-        self.metrics.messages.labels(direction="dropped").inc(frames)
+        self.metrics.message["dropped"].inc(frames)
 
     # -- new prompts ----------------------------------------------------------------------
 
@@ -291,16 +291,16 @@ class SyncNode:
         self._asks[ask] = future
         self._pending.append(message)
         self.flush()
-        outcomes = self.metrics.placements
+        outcomes = self.metrics.placement
         try:
             async with asyncio.timeout(timeout):
                 pods = await future
         except TimeoutError:
-            outcomes.labels(outcome="timeout").inc()
+            outcomes["timeout"].inc()
             return None
         finally:
             self._asks.pop(ask, None)
-        outcomes.labels(outcome="answered" if pods else "none").inc()
+        outcomes["answered" if pods else "none"].inc()
         return pods
 
     def _on_place(self, asker: str, message: list[Any]) -> None:
@@ -313,7 +313,7 @@ class SyncNode:
         except Exception:  # the asker then places it itself; the frame's other messages apply
             log.exception("sync: placing a new prompt for %s failed", asker)
             pods = None
-        self.metrics.placements.labels(outcome="served").inc()
+        self.metrics.placement["served"].inc()
         self._pending.append((m.PLACED, asker, ask, list(pods or ())))
         self.flush()
 
@@ -337,7 +337,7 @@ class SyncNode:
         try:
             origin, host_id, seq, batch = m.decode(frame)
         except ValueError:
-            self.metrics.messages.labels(direction="dropped").inc()
+            self.metrics.message["dropped"].inc()
             return False
         if origin == self.origin or (from_peers and host_id == self.config.host_id):
             return False
@@ -351,7 +351,7 @@ class SyncNode:
                 if seq <= peer.seq:  # the origin restarted: what it said before is void
                     self.inflight.drop_origin(origin)
                 elif seq > peer.seq + 1:
-                    self.metrics.messages.labels(direction="dropped").inc(seq - peer.seq - 1)
+                    self.metrics.message["dropped"].inc(seq - peer.seq - 1)
                 peer.seq = seq
             peer.last_heard = now
             if not peer.live:
@@ -360,7 +360,7 @@ class SyncNode:
         same_host = host_id == self.config.host_id
         for message in batch:
             self._apply_one(origin, same_host, message)
-        self.metrics.messages.labels(direction="received").inc(len(batch))
+        self.metrics.message["received"].inc(len(batch))
         return True
 
     def _apply_one(self, origin: str, same_host: bool, message: list[Any]) -> None:
@@ -423,8 +423,8 @@ class SyncNode:
             else:
                 lost += 1
             self.metrics.last_heard.labels(peer=origin).set(age)
-        self.metrics.peers.labels(state="live").set(live)
-        self.metrics.peers.labels(state="lost").set(lost)
+        self.metrics.peer_state["live"].set(live)
+        self.metrics.peer_state["lost"].set(lost)
         seen = self.inflight.seen()
         for key in self._seen_pods - seen.keys():
             self.metrics.seen_inflight.labels(pod=key).set(0)
@@ -506,7 +506,7 @@ class SyncNode:
         if self.apply(frame) and self._peer_pub is not None:
             with contextlib.suppress(zmq.Again):
                 self._peer_pub.send(frame, zmq.NOBLOCK)
-                self.metrics.messages.labels(direction="relayed").inc()
+                self.metrics.message["relayed"].inc()
 
     def _read_peers(self, sub: zmq.Socket[bytes]) -> None:
         """Peer replicas' frames: apply each, relay it to this host's other workers.
@@ -520,7 +520,7 @@ class SyncNode:
         socket (a peer connected) can consume an edge: discovery asks for a read after
         each change, and the heartbeat tick reads too, so a frame waits one tick at most.
         """
-        relayed = self.metrics.messages.labels(direction="relayed")
+        relayed = self.metrics.message["relayed"]
         for _ in range(MAX_FRAMES_PER_WAKEUP):
             try:
                 if not cast(int, sub.getsockopt(zmq.EVENTS)) & zmq.POLLIN:

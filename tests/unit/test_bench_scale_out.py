@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -16,6 +17,7 @@ from benchmarks.scale_out import (
     Routers,
     Run,
     Splits,
+    _PodsOnly,
     fast_table,
     fixed_table,
     send,
@@ -24,7 +26,8 @@ from benchmarks.scale_out import (
     tiny_prompts,
     workload_table,
 )
-from benchmarks.sched_policies import Prompt, RequestResult
+from benchmarks.sched_policies import Prompt, RequestResult, policy_document
+from router.scheduling.config import parse_scheduler_config
 from tests.local_http import serve
 
 EVENT = b'data: {"choices":[{"index":0,"delta":{"content":"pong"}}]}\n\ndata: [DONE]\n\n'
@@ -117,3 +120,18 @@ async def test_send_records_where_each_prompt_went(two_urls: tuple[Routers, list
               splits=split_prompts([*placements, Placement(1, 1, "p1")], 2))
     table = workload_table({("2 replicas", "shared-prefix"): run}).splitlines()
     assert table[2].endswith("| 1 of 2 (1 apart) |")
+
+
+def test_the_routers_scheduler_file_leaves_the_precise_index_to_the_policy(
+    tmp_path: Path,
+) -> None:
+    """The routers' policy is fixed per run, so their precise index is pdgate's default:
+    off for `prefix-cache`, whose scorers never read it (on, every router process applied
+    every KV event for nothing, and two processes paid it twice); the in-process cluster
+    of `sched_policies`, switched between policies, keeps it on."""
+    pods = _PodsOnly(tmp_path)
+    config = parse_scheduler_config(policy_document(pods.policy, precise=pods.precise))
+    assert not config.precise_enabled
+    precise = parse_scheduler_config(policy_document("precise-prefix-cache", precise=pods.precise))
+    assert precise.precise_enabled
+    assert parse_scheduler_config(policy_document("prefix-cache")).precise_enabled

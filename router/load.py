@@ -36,8 +36,9 @@ class InFlight:
         self._remote: dict[str, int] = {}
         #: origin -> pod -> that origin's last reported count.
         self._by_origin: dict[str, dict[str, int]] = {}
-        #: Called with (pod key, this process's new count) on every change (`router.sync`).
-        self.listener: Callable[[str, int], None] | None = None
+        #: Called with (pod key, this process's new count, whether it rose) on every
+        #: change (`router.sync`).
+        self.listener: Callable[[str, int, bool], None] | None = None
 
     def get(self, endpoint: Endpoint) -> int:
         key = endpoint.key
@@ -106,7 +107,7 @@ class InFlight:
         count = self._counts[key] = self._counts.get(key, 0) + 1
         self._child(endpoint).inc()
         if self.listener is not None:
-            self.listener(key, count)
+            self.listener(key, count, True)
 
     def release(self, endpoint: Endpoint) -> None:
         key = endpoint.key
@@ -117,7 +118,7 @@ class InFlight:
             self._counts.pop(key, None)
         self._child(endpoint).dec()
         if self.listener is not None:
-            self.listener(key, max(0, left))
+            self.listener(key, max(0, left), False)
 
     def _child(self, endpoint: Endpoint) -> Gauge:
         label = (endpoint.key, endpoint.role)

@@ -136,9 +136,6 @@ class SyncNode:
         self._capacity: dict[str, int | None] = {}
         self._pending: list[m.Message] = []
         self._pending_inflight: dict[str, int] = {}
-        #: Pods this process has requests on (at most the pods of its view), to tell a
-        #: pod turning busy from any other change of its count.
-        self._busy: set[str] = set()
         self._pending_host: list[m.Message] = []
         self._soon = False  # a flush at the next loop turn is scheduled
         self._timer: asyncio.TimerHandle | None = None  # a flush in `flush_interval_s`
@@ -168,7 +165,7 @@ class SyncNode:
     def _on_snapshot(self, snapshot: Snapshot) -> None:
         self._endpoints = snapshot.endpoints()
 
-    def _on_inflight(self, key: str, count: int) -> None:
+    def _on_inflight(self, key: str, count: int, rose: bool) -> None:
         """A count changed. A pod this process had nothing on turning busy goes out at the
         next turn: to the others it looks idle until then, and an idle pod is where their
         next pick goes (a scale-out pick log showed it: at the opening burst a warm request
@@ -176,12 +173,7 @@ class SyncNode:
         count still waiting out `flush_interval_s`, and the prompt was computed twice).
         Every other change waits for the window."""
         self._pending_inflight[key] = count
-        idle = key not in self._busy
-        if count > 0:
-            self._busy.add(key)
-        else:
-            self._busy.discard(key)
-        self._schedule(soon=idle and count > 0)
+        self._schedule(soon=rose and count == 1)
 
     def _on_route(self, key: str, hashes: Sequence[int]) -> None:
         self._queue(self._pending, (m.ROUTE, key, list(hashes)), soon=True)

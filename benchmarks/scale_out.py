@@ -54,7 +54,7 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import Final
 
 import aiohttp
 import orjson
@@ -144,9 +144,7 @@ class _PodsOnly(PolicyCluster):
     always on, every process applied every KV event to an index no scorer read, which
     `--workers 2` and two replicas paid twice."""
 
-    def __init__(self, workdir: Path, **kwargs: Any) -> None:
-        super().__init__(workdir, **kwargs)
-        self.precise = "auto"
+    precise = "auto"
 
     async def _start_router(self) -> None:
         return None

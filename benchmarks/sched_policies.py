@@ -313,6 +313,9 @@ class RunResult:
 class PolicyCluster:
     """Mooncake master (or a given one), G PD groups of simulated pods, an in-process router."""
 
+    #: The scheduler YAML's `preciseIndex.enabled` (see `policy_document`).
+    precise: bool | str = True
+
     def __init__(
         self,
         workdir: Path,
@@ -342,8 +345,6 @@ class PolicyCluster:
         self.port = 0
         self.router_port = 0
         self.policy = policy
-        #: The scheduler YAML's `preciseIndex.enabled` (see `policy_document`).
-        self.precise: bool | str = True
         self.state: AppState | None = None
         self._server: uvicorn.Server | None = None
         self._serving: asyncio.Task[None] | None = None

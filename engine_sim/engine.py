@@ -24,6 +24,7 @@ from engine_sim.kv_transfer import ExportResult, ImportResult, KVTransferError, 
 from engine_sim.kvstore import KVStore
 from engine_sim.latency import pause
 from engine_sim.metrics import EngineMetrics
+from engine_sim.pending_blocks import PendingBlocks
 from engine_sim.prefix_cache import CacheLease, PrefixCache
 from engine_sim.prompts import PromptTokenizer, load_tokenizer
 from engine_sim.protocol import Limits, ParsedRequest
@@ -74,6 +75,7 @@ class Engine:
             config.block_size, config.python_hash_seed, config.hash_algo
         )
         self.cache = PrefixCache(config.kv_capacity_blocks, config.block_size, on_cache_event)
+        self.pending = PendingBlocks()
         self.scheduler = Scheduler(config.max_num_seqs, config.max_waiting)
         self.transfer = (
             StoreKVTransfer(store, config.model, config.kv_block_bytes) if store else None
@@ -204,6 +206,7 @@ class Engine:
             seed = local_seed(token_ids)
 
         lease = self.cache.acquire(hashes, token_ids, request.cache_salt)
+        claim = self.pending.claim(lease.block_hashes, writes_from=hit_blocks)
         total_blocks = -(-(num_tokens + request.max_tokens) // size)
         private = max(0, total_blocks - len(lease.block_hashes))
         self.cache.reserve_private(private)
@@ -223,7 +226,11 @@ class Engine:
                 # Mooncake streams a prefill's KV to the store layer by layer, overlapped
                 # with compute: the real write runs during the modelled prefill.
                 writing = asyncio.create_task(self._require_transfer().export_blocks(hashes))
-            await pause(modelled - reads_s)
+            try:
+                await self.pending.wait(claim)  # a hit on blocks still being written
+                await pause(modelled - reads_s)
+            finally:
+                self.pending.release(claim)
             handle: dict[str, Any] | None = None
             if writing is not None:
                 exported = await writing
@@ -253,6 +260,7 @@ class Engine:
                         per_group=config.block_ids_per_group,
                     )
         except BaseException:
+            self.pending.release(claim)
             if writing is not None:
                 if not writing.done():
                     writing.cancel()

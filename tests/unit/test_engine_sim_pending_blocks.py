@@ -39,11 +39,20 @@ async def _first_token(engine: Engine, prompt: str, done: list[tuple[str, int]],
         done.append((name, generation.cached_tokens))
 
 
+async def _prefilling(engine: Engine) -> None:
+    """One turn of the loop: the task just created runs to its modelled prefill (nothing
+    awaits before it without a store), its blocks cached but not computed. Timers fire in
+    deadline order, so what starts now with a shorter prefill ends first however late the
+    loop turns."""
+    await asyncio.sleep(0)
+    assert len(engine.pending) > 0
+
+
 async def test_a_hit_on_blocks_being_computed_comes_after_their_prefill() -> None:
     engine = _engine()
     done: list[tuple[str, int]] = []
     first = asyncio.create_task(_first_token(engine, PROMPT, done, "first"))
-    await asyncio.sleep(0.01)  # the first is prefilling (its blocks cached, not computed)
+    await _prefilling(engine)
     await _first_token(engine, PROMPT + "and more", done, "second")
     await first
     # The second finds the first's 12 blocks (a hit, as vLLM counts it) but its first token
@@ -56,7 +65,7 @@ async def test_other_prompts_do_not_wait_and_computed_blocks_hit_at_once() -> No
     engine = _engine()
     done: list[tuple[str, int]] = []
     first = asyncio.create_task(_first_token(engine, PROMPT, done, "first"))
-    await asyncio.sleep(0.01)
+    await _prefilling(engine)
     await _first_token(engine, "omega " * 8, done, "unrelated")  # shares no block
     await first
     await _first_token(engine, PROMPT, done, "after")  # the blocks exist: no wait

@@ -40,7 +40,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 import aiohttp
 import orjson
@@ -185,7 +185,7 @@ POLICIES: Final[dict[str, dict[str, Any]]] = {
 
 
 def policy_document(
-    name: str, profiles: dict[str, Any] | None = None, precise: bool | str = True
+    name: str, profiles: dict[str, Any] | None = None, precise: bool | Literal["auto"] = True
 ) -> dict[str, Any]:
     """The whole scheduler YAML of a policy. `precise`: the precise index's `enabled`
     (on by default: a cluster whose router is switched between policies may run a precise
@@ -314,7 +314,7 @@ class PolicyCluster:
     """Mooncake master (or a given one), G PD groups of simulated pods, an in-process router."""
 
     #: The scheduler YAML's `preciseIndex.enabled` (see `policy_document`).
-    precise: bool | str = True
+    precise: bool | Literal["auto"] = True
 
     def __init__(
         self,

@@ -269,6 +269,7 @@ def _serve(args: argparse.Namespace) -> int:
         reuseport_socket,
         worker_place,
     )
+    from router.tokenization.offload import single_threaded_library
     from router.upstream import MAX_CONNECTIONS as UPSTREAM_MAX_CONNECTIONS
 
     try:
@@ -303,6 +304,7 @@ def _serve(args: argparse.Namespace) -> int:
         security=security,
         sync=sync,
     )
+    single_threaded_library()  # before any tokenizer is loaded
     try:
         state = AppState(config)
     except OSError as exc:  # e.g. the API key file cannot be read

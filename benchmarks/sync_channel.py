@@ -11,7 +11,12 @@ event loop; CPU of both processes (all their threads), rounds interleaved:
   used between workers until it moved to datagrams, and between replicas, over TCP);
 - `zmq reader`: the same PUB, a plain SUB read from the event loop's reader callback on
   its `ZMQ_FD` (what the peer channel between replicas does now, over TCP);
-- `datagram`: `router.sync.local.LocalChannel` on both sides (the workers of a host).
+- `datagram`: `router.sync.local.LocalChannel` on both sides, its urgent lane (read by
+  the receiving loop as each frame arrives: how every frame between workers went until
+  the state lane);
+- `datagram state lane`: the same channel's state lane, which the receiver reads every
+  `catch_up_s` (20 ms) and never by a wake-up of its loop: a worker that receives no
+  requests (one that does reads it before each pick, at no wake-up at all).
 
 Paced rather than flooded: a router sends a frame when a request gives it one, and at a
 few hundred a second each frame wakes the receiver (and, with ZMQ, both I/O threads)
@@ -118,7 +123,7 @@ def _zmq(
 
 
 def _datagram(
-    worker: int, run_dir: str, rate: float, seconds: float, out: Queue[Result]
+    worker: int, run_dir: str, rate: float, seconds: float, out: Queue[Result], urgent: bool
 ) -> None:
     async def main() -> Result:
         received = [0]
@@ -129,9 +134,19 @@ def _datagram(
         config = SyncConfig(host_id="bench", worker=worker, workers=2, run_dir=run_dir)
         channel = LocalChannel(config, count, lambda dropped: None)
         channel.open(asyncio.get_running_loop())
+
+        async def catch_up() -> None:  # the state lane's reader: SyncNode's backstop
+            while True:
+                await asyncio.sleep(config.catch_up_s)
+                channel.drain()
+
+        reader = None if urgent else asyncio.create_task(catch_up())
         try:
-            return await _measure(worker, channel.send, received, rate, seconds)
+            send = functools.partial(channel.send, urgent=urgent)
+            return await _measure(worker, send, received, rate, seconds)
         finally:
+            if reader is not None:
+                reader.cancel()
             channel.close()
 
     out.put(asyncio.run(main()))
@@ -141,7 +156,8 @@ CHANNELS: Final[dict[str, Callable[..., None]]] = {
     "pacing only": _pacing,
     "zmq asyncio": functools.partial(_zmq, reader=False),
     "zmq reader": functools.partial(_zmq, reader=True),
-    "datagram": _datagram,
+    "datagram": functools.partial(_datagram, urgent=True),
+    "datagram state lane": functools.partial(_datagram, urgent=False),
 }
 
 

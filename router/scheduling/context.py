@@ -222,6 +222,9 @@ class SchedulerDeps:
         Callable[[str, str, str, str, Mapping[str, Any]], Awaitable[tuple[str, ...] | None]]
         | None
     ) = None
+    #: Applies what other router processes of this host changed and this one has not
+    #: read yet (`router.sync`: `--workers N`); called before every pick.
+    catch_up: Callable[[], None] | None = None
 
 
 class PromptInfo:

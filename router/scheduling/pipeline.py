@@ -442,6 +442,9 @@ class PipelineScheduler:
     async def prepare(self, server: ServerPods, request: ScheduleRequest) -> None:
         """Tokenize a big prompt off the event loop when the precise scorer will need it;
         with the SLO gate's `queue` action, wait while the prediction is over target."""
+        catch_up = self.deps.catch_up
+        if catch_up is not None:
+            catch_up()  # `_is_new` reads the approximate index
         await self._tokenize(server, request)
         if self._slo.config.enabled:
             await self._slo.wait(
@@ -520,6 +523,9 @@ class PipelineScheduler:
         self, server: ServerPods, request: ScheduleRequest, avoid: frozenset[str]
     ) -> Pick | None:
         """Choose the pods; raises a 429 `APIError` when the SLO gate refuses (see slo.py)."""
+        catch_up = self.deps.catch_up
+        if catch_up is not None:
+            catch_up()  # what the other workers routed and counted since `prepare`
         started = time.perf_counter()
         layout = self._layout(server)
         placed = request.placed

@@ -16,6 +16,9 @@ DEFAULT_TTL_S: Final = 1.0
 DEFAULT_SYNC_PORT: Final = 8090
 #: Seconds between reads of the peer Service's EndpointSlices.
 DEFAULT_DISCOVERY_INTERVAL_S: Final = 5.0
+#: Longest a worker leaves its siblings' state frames unread when it picks nothing
+#: (`local.py`: a pick reads them first).
+DEFAULT_CATCH_UP_S: Final = 0.02
 #: Longest wait for the leader to place a new prompt before a process places it itself.
 DEFAULT_PLACE_TIMEOUT_S: Final = 0.02
 
@@ -42,6 +45,7 @@ class SyncConfig:
     own_address: str | None = None
     heartbeat_s: float = DEFAULT_HEARTBEAT_S
     flush_interval_s: float = DEFAULT_FLUSH_INTERVAL_S
+    catch_up_s: float = DEFAULT_CATCH_UP_S
     ttl_s: float = DEFAULT_TTL_S
     discovery_interval_s: float = DEFAULT_DISCOVERY_INTERVAL_S
     #: 0: every process places its new prompts itself (`node.py`, "New prompts").
@@ -61,8 +65,12 @@ class SyncConfig:
         return self.workers > 1 or self.sync_port is not None
 
     def local_address(self, worker: int) -> str:
-        """Unix datagram socket path on which a worker receives its siblings' frames."""
+        """Unix datagram socket path of a worker's state lane (`local.py`)."""
         return f"{self.run_dir}/pdgate-sync-{self.host_id}-{worker}.sock"
+
+    def urgent_address(self, worker: int) -> str:
+        """Unix datagram socket path of a worker's urgent lane (new-prompt placement)."""
+        return f"{self.run_dir}/pdgate-sync-{self.host_id}-{worker}-urgent.sock"
 
     def metrics_address(self, worker: int) -> str:
         """Unix socket path on which a worker serves its own `/metrics` to its siblings."""
@@ -73,6 +81,8 @@ class SyncConfig:
             raise ValueError(f"worker {self.worker} of {self.workers}: out of range")
         if not 0 <= self.flush_interval_s < self.heartbeat_s:
             raise ValueError("the sync flush interval must be >= 0 and below the heartbeat")
+        if self.catch_up_s <= 0:
+            raise ValueError("the sync catch-up interval must be > 0")
         if self.heartbeat_s <= 0 or self.ttl_s <= self.heartbeat_s:
             raise ValueError("the sync TTL must exceed the heartbeat interval (both > 0)")
         if self.place_timeout_s < 0:

@@ -1,26 +1,37 @@
 """`LocalChannel`: frames between the workers of one host, as Unix datagrams.
 
-Each worker binds a datagram socket at `SyncConfig.local_address(worker)` and sends
-every frame to each sibling over a socket connected to the sibling's address. A datagram
-is one frame: no framing, no connection to set up or lose, and the kernel keeps each
-sender's frames in order.
+Each worker binds two datagram sockets, one per lane, and sends each frame to every
+sibling over a socket connected to that sibling's address for the frame's lane. A
+datagram is one frame: no framing, no connection to set up or lose, and the kernel keeps
+each sender's frames of one lane in order.
+
+Two lanes, because what wakes a worker is what its sync costs:
+
+- **state** (`config.local_address`): in-flight counts, routed prompts, ejections,
+  heartbeats, engine scrapes. Never read by the event loop's reader callback: the worker
+  reads what is queued (`drain`) when it is about to use it (before every pick, through
+  `SyncNode.catch_up`) and otherwise every `SyncConfig.catch_up_s`. A pick so sees every
+  frame sent before it, and a frame costs a `recv` and its apply, not a wake-up of the
+  event loop: at 300 requests/s over `--workers 2` every request sent one or two frames
+  and each woke the other worker's idle loop, about a fifth of the router's CPU.
+- **urgent** (`config.urgent_address`): the new-prompt questions and answers
+  (`node.py`, "New prompts"), read by the loop as they arrive: somebody waits for each.
 
 Why not ZMQ, which the peer channel between replicas uses (`node.py`): between two
 processes at 600 frames a second (`python -m benchmarks.sync_channel`: CPU of both
 processes net of the pacing loop alone, two runs of three rounds), a PUB/SUB frame over
 `ipc://` read through `zmq.asyncio` cost 125-233 µs of CPU (both processes' ZMQ I/O
 threads wake for every frame, then the receiving event loop), a datagram 34-70 µs (one
-`send`, one wake-up of the receiving loop). Workers exchange one or two frames per
-request: at 300 requests/s this was what `--workers 2` cost beyond two processes that
-share nothing (`benchmarks/results/2026-12-04-scale-out-datagram/`).
+`send`, one wake-up of the receiving loop).
 
 Never waiting: a sibling whose receive queue is full (Linux queues only
 `net.unix.max_dgram_qlen` datagrams, 10 by default) makes the send fail at once; the
 frame then waits in that sibling's backlog (at most `MAX_BACKLOG_BYTES`, beyond which
-frames are dropped and counted) and goes out when the socket is writable again. A sibling
-not up yet, or gone, drops the frame (counted). A sibling that restarted binds the same
-address: the send on the old connection fails, and the frame goes at once over a socket
-connected afresh. Heartbeats repair what a drop lost.
+frames are dropped and counted) and goes out when the socket is writable again, which is
+when the sibling has read its queue. A sibling not up yet, or gone, drops the frame
+(counted). A sibling that restarted binds the same address: the send on the old
+connection fails, and the frame goes at once over a socket connected afresh. Heartbeats
+repair what a drop lost.
 """
 
 from __future__ import annotations
@@ -42,12 +53,12 @@ MAX_FRAME_BYTES: Final = 64 * 1024
 #: Bytes of frames held for one sibling whose queue is full; beyond, frames are dropped
 #: (a sibling stalled for a second at 300 requests/s leaves well under 1 MiB).
 MAX_BACKLOG_BYTES: Final = 4 * 1024 * 1024
-#: Frames read in one wake-up before yielding to the event loop.
-MAX_FRAMES_PER_WAKEUP: Final = 256
+#: Frames read in one wake-up (urgent lane) or one `drain` (state lane) at most.
+MAX_FRAMES_PER_READ: Final = 256
 
 
 class _Sibling:
-    """One other worker: its address, a socket connected to it, frames waiting for it."""
+    """One other worker's lane: its address, a socket connected to it, frames waiting."""
 
     __slots__ = ("address", "backlog", "held_bytes", "sock")
 
@@ -67,7 +78,8 @@ class _Sibling:
 
 
 class LocalChannel:
-    """This worker's end: `send` to every sibling, `on_frame` for each frame received."""
+    """This worker's end: `send` to every sibling; frames received go to `on_frame`, the
+    urgent lane's as they arrive, the state lane's when `drain` reads them."""
 
     def __init__(
         self,
@@ -79,46 +91,66 @@ class LocalChannel:
         self.on_frame = on_frame
         #: Called with the number of frames dropped (queue full or sibling absent).
         self.on_dropped = on_dropped
-        self._siblings = [
-            _Sibling(config.local_address(w)) for w in range(config.workers) if w != config.worker
-        ]
-        self._sock: socket.socket | None = None
+        others = [w for w in range(config.workers) if w != config.worker]
+        #: Per lane (urgent or not), one entry per sibling.
+        self._siblings = {
+            False: [_Sibling(config.local_address(w)) for w in others],
+            True: [_Sibling(config.urgent_address(w)) for w in others],
+        }
+        self._state: socket.socket | None = None
+        self._urgent: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
+    def _addresses(self) -> tuple[str, str]:
+        worker = self.config.worker
+        return self.config.local_address(worker), self.config.urgent_address(worker)
+
     def open(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Bind this worker's socket and start reading it."""
-        path = self.config.local_address(self.config.worker)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)  # a socket file left by an earlier process of this name
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        sock.setblocking(False)
-        sock.bind(path)
-        self._sock, self._loop = sock, loop
-        loop.add_reader(sock.fileno(), self._read)
+        """Bind this worker's sockets and start reading the urgent one."""
+        socks = []
+        for path in self._addresses():
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)  # a socket file left by an earlier process of this name
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            sock.setblocking(False)
+            sock.bind(path)
+            socks.append(sock)
+        self._state, self._urgent = socks
+        self._loop = loop
+        loop.add_reader(self._urgent.fileno(), self._read, self._urgent)
 
     def close(self) -> None:
-        loop, sock = self._loop, self._sock
-        if loop is None or sock is None:
+        loop, state, urgent = self._loop, self._state, self._urgent
+        if loop is None or state is None or urgent is None:
             return
-        loop.remove_reader(sock.fileno())
-        for sibling in self._siblings:
-            sibling.close(loop)
-        sock.close()
-        with contextlib.suppress(OSError):
-            os.unlink(self.config.local_address(self.config.worker))
-        self._sock = self._loop = None
+        loop.remove_reader(urgent.fileno())
+        for lane in self._siblings.values():
+            for sibling in lane:
+                sibling.close(loop)
+        state.close()
+        urgent.close()
+        for path in self._addresses():
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        self._state = self._urgent = self._loop = None
 
-    def send(self, frame: bytes) -> None:
-        """Send `frame` to every sibling now, or queue it behind that sibling's backlog."""
-        for sibling in self._siblings:
+    def send(self, frame: bytes, urgent: bool = False) -> None:
+        """Send `frame` on its lane to every sibling now, or queue it behind that sibling's
+        backlog."""
+        for sibling in self._siblings[urgent]:
             if sibling.backlog:
                 self._hold(sibling, frame)
             else:
                 self._send_one(sibling, frame)
 
+    def drain(self) -> int:
+        """Read the state lane's queued frames (at most `MAX_FRAMES_PER_READ`), each to
+        `on_frame`; how many were read."""
+        return self._read(self._state)
+
     def held(self) -> int:
         """Frames waiting for a sibling whose queue was full."""
-        return sum(len(sibling.backlog) for sibling in self._siblings)
+        return sum(len(s.backlog) for lane in self._siblings.values() for s in lane)
 
     def _send_one(self, sibling: _Sibling, frame: bytes) -> None:
         """Send `frame` now, hold it when the sibling's queue is full, or drop it when the
@@ -148,11 +180,11 @@ class LocalChannel:
             self.on_dropped(1)
             return
         if not sibling.backlog and sibling.sock is not None and self._loop is not None:
-            self._loop.add_writer(sibling.sock.fileno(), self._drain, sibling)
+            self._loop.add_writer(sibling.sock.fileno(), self._drain_backlog, sibling)
         sibling.backlog.append(frame)
         sibling.held_bytes += len(frame)
 
-    def _drain(self, sibling: _Sibling) -> None:
+    def _drain_backlog(self, sibling: _Sibling) -> None:
         """The sibling's socket is writable: send its backlog until it fills again."""
         sock, backlog = sibling.sock, sibling.backlog
         assert sock is not None and self._loop is not None
@@ -168,13 +200,13 @@ class LocalChannel:
             sibling.held_bytes -= len(backlog.popleft())
         self._loop.remove_writer(sock.fileno())
 
-    def _read(self) -> None:
-        sock = self._sock
+    def _read(self, sock: socket.socket | None) -> int:
         if sock is None:
-            return
-        for _ in range(MAX_FRAMES_PER_WAKEUP):
+            return 0
+        for read in range(MAX_FRAMES_PER_READ):
             try:
                 frame = sock.recv(MAX_FRAME_BYTES)
             except (BlockingIOError, InterruptedError):
-                return
+                return read
             self.on_frame(frame)
+        return MAX_FRAMES_PER_READ

@@ -4,8 +4,11 @@ Channels (neither ever blocks the sender: a frame that cannot go is dropped, and
 receiver sees the gap in the sender's sequence):
 
 - with `--workers N`, the workers of a host send each other Unix datagrams
-  (`local.py`: a socket per worker in `run_dir`; a quarter of what ZMQ over `ipc://` cost
-  per frame);
+  (`local.py`: two sockets per worker in `run_dir`; a quarter of what ZMQ over `ipc://`
+  cost per frame). What a worker's siblings changed is read when it is about to pick
+  (`catch_up`, hooked into the scheduler), or every `catch_up_s` when it picks nothing:
+  the frames never wake its event loop. Only new-prompt questions and answers go on the
+  urgent lane, which the loop reads as they arrive;
 - with peer replicas, worker 0 alone also binds a ZMQ PUB on `tcp://*:<sync_port>` and
   SUBscribes to each peer's (ZMQ drops at the high-water mark). It relays: frames of this
   host's workers go out to the peers, frames from the peers go on to this host's workers
@@ -32,7 +35,9 @@ the same emptiest pod, which one process never does: it sees its first pick befo
 second. Another process asks the leader (PLACE, with the request's body), the leader picks
 as for its own request, counts the asker's request on the pods at once (the asker's own
 count replaces that within `flush_interval_s`) and answers (PLACED); the asker dispatches
-there. An answer later than `place_timeout_s` (a busy, lost or partitioned leader) is
+there. Questions and answers are frames of their own, unsequenced, on the workers'
+urgent lane; the leader catches up on the asker's state before it picks. An answer later
+than `place_timeout_s` (a busy, lost or partitioned leader) is
 not waited for: the asker places the prompt itself, as every process does with
 `place_timeout_s` 0. A prompt whose body does not fit one frame is placed where it
 arrived. The cost: a round trip to the leader for each new prompt another process
@@ -145,6 +150,9 @@ class SyncNode:
         self._peer_pub: zmq.Socket[bytes] | None = None
         self._peer_sub: zmq.Socket[bytes] | None = None
         self._seen_pods: set[str] = set()
+        self._catching_up = False
+        self._caught_up_at = 0.0
+        self._backstop: asyncio.TimerHandle | None = None
         self._asks: dict[int, asyncio.Future[tuple[str, ...] | None]] = {}
         self._ask_ids = itertools.count(1)
         #: Places another process's new prompt when this one leads (set by the app).
@@ -221,28 +229,29 @@ class SyncNode:
             batch, self._pending_host = self._pending_host, []
             self._send_batch(batch, host_only=True)
 
-    def _send_batch(self, batch: list[m.Message], host_only: bool) -> None:
+    def _send_batch(self, batch: list[m.Message], host_only: bool, urgent: bool = False) -> None:
         """Encode `batch` as one frame, or as several when one would exceed
         `MAX_FRAME_BYTES` (halved until each fits; a single message that does not fit
-        is dropped), and send each. Host-only frames carry no sequence number."""
-        seq = UNSEQUENCED if host_only else self._seq + 1
+        is dropped), and send each. Host-only and urgent frames carry no sequence number
+        (an urgent frame may overtake the sequence on the state lane)."""
+        seq = UNSEQUENCED if host_only or urgent else self._seq + 1
         frame = m.encode(self.origin, self.config.host_id, seq, batch)
         if len(frame) <= MAX_FRAME_BYTES:
             self._seq = max(self._seq, seq)
-            self._send_frame(frame, len(batch), host_only)
+            self._send_frame(frame, len(batch), host_only, urgent)
         elif len(batch) == 1:
             log.warning("sync: a message of %d bytes is too large to send", len(frame))
             self.metrics.message["dropped"].inc()
         else:
             half = len(batch) // 2
-            self._send_batch(batch[:half], host_only)
-            self._send_batch(batch[half:], host_only)
+            self._send_batch(batch[:half], host_only, urgent)
+            self._send_batch(batch[half:], host_only, urgent)
 
-    def _send_frame(self, frame: bytes, count: int, host_only: bool) -> None:
-        """One frame (`count` messages) to this host's workers and, unless `host_only`,
-        the peer replicas; counted sent once."""
+    def _send_frame(self, frame: bytes, count: int, host_only: bool, urgent: bool) -> None:
+        """One frame (`count` messages) to this host's workers (on the lane `urgent` says)
+        and, unless `host_only`, the peer replicas; counted sent once."""
         if self._local is not None:
-            self._local.send(frame)
+            self._local.send(frame, urgent)
         if not host_only and self._peer_pub is not None:
             try:
                 self._peer_pub.send(frame, zmq.NOBLOCK)
@@ -281,8 +290,8 @@ class SyncNode:
             return None
         future: asyncio.Future[tuple[str, ...] | None] = loop.create_future()
         self._asks[ask] = future
-        self._pending.append(message)
-        self.flush()
+        self.flush()  # what the leader should know first (the state lane: read before)
+        self._send_batch([message], host_only=False, urgent=True)
         outcomes = self.metrics.placement
         try:
             async with asyncio.timeout(timeout):
@@ -300,14 +309,15 @@ class SyncNode:
         _, leader, ask, server, model, path, flow, body = message
         if leader != self.origin or self.placer is None:
             return
+        self.catch_up()  # the asker's routes and counts sent before its question
         try:
             pods = self.placer(asker, server, model, path, flow, body)
         except Exception:  # the asker then places it itself; the frame's other messages apply
             log.exception("sync: placing a new prompt for %s failed", asker)
             pods = None
         self.metrics.placement["served"].inc()
-        self._pending.append((m.PLACED, asker, ask, list(pods or ())))
-        self.flush()
+        self._send_batch([(m.PLACED, asker, ask, list(pods or ()))], host_only=False,
+                         urgent=True)
 
     def _on_placed(self, message: list[Any]) -> None:
         _, asker, ask, pods = message
@@ -320,19 +330,48 @@ class SyncNode:
 
     # -- what the others changed ----------------------------------------------------------
 
+    def catch_up(self) -> None:
+        """Apply what this host's other workers sent on the state lane and this one has not
+        read yet (called before every pick, and every `catch_up_s` by itself)."""
+        if self._local is None or self._catching_up:
+            return
+        self._catching_up = True
+        try:
+            self._local.drain()
+        except Exception:  # a pick goes on with what was applied
+            log.exception("sync: applying a sibling's frame failed")
+        finally:
+            self._catching_up = False
+            self._caught_up_at = self._clock()
+
+    def _catch_up_later(self) -> None:
+        """The backstop: catch up when no pick has for `catch_up_s`, then look again."""
+        if self._loop is None:
+            return
+        interval = self.config.catch_up_s
+        idle = self._clock() - self._caught_up_at
+        if idle >= interval:
+            self.catch_up()
+            idle = 0.0
+        self._backstop = self._loop.call_later(interval - idle, self._catch_up_later)
+
     def apply(self, frame: bytes, from_peers: bool = False) -> bool:
         """Apply one frame; False if it is this process's (or, `from_peers`, this host's) own.
 
         Frames from peer replicas (`from_peers`) that carry this host's id are our own,
         come back because a static peer list may name this replica too.
         """
+        return self._apply(frame, from_peers) is not None
+
+    def _apply(self, frame: bytes, from_peers: bool) -> int | None:
+        """`apply`: the frame's sequence number, or None when it was not applied."""
         try:
             origin, host_id, seq, batch = m.decode(frame)
         except ValueError:
             self.metrics.message["dropped"].inc()
-            return False
+            return None
         if origin == self.origin or (from_peers and host_id == self.config.host_id):
-            return False
+            return None
         now = self._clock()
         peer = self._peers.get(origin)
         if peer is None:
@@ -353,7 +392,7 @@ class SyncNode:
         for message in batch:
             self._apply_one(origin, same_host, message)
         self.metrics.message["received"].inc(len(batch))
-        return True
+        return seq
 
     def _apply_one(self, origin: str, same_host: bool, message: list[Any]) -> None:
         kind = message[0]
@@ -475,6 +514,7 @@ class SyncNode:
                 local = LocalChannel(config, self._on_local_frame, self._frames_dropped)
                 local.open(self._loop)
                 self._local = local
+                self._catch_up_later()
             tasks.append(asyncio.create_task(self._tick()))
             self._schedule()
             await asyncio.gather(*tasks)
@@ -484,6 +524,9 @@ class SyncNode:
             for task in tasks:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
+            if self._backstop is not None:
+                self._backstop.cancel()
+                self._backstop = None
             if local is not None:
                 local.close()
             if peer_fd is not None:
@@ -522,14 +565,17 @@ class SyncNode:
                 return
             except zmq.ZMQError:  # the socket closed under a callback already scheduled
                 return
-            if self.apply(frame, from_peers=True) and self._local is not None:
-                self._local.send(frame)
+            seq = self._apply(frame, from_peers=True)
+            if seq is not None and self._local is not None:
+                # Unsequenced frames from peers are placements (host frames stay home).
+                self._local.send(frame, urgent=seq == UNSEQUENCED)
                 relayed.inc()
         if self._loop is not None:
             self._loop.call_soon(self._read_peers, sub)
 
     async def _tick(self) -> None:
         while True:
+            self.catch_up()
             self.heartbeat()
             self.expire()
             if self._peer_sub is not None:

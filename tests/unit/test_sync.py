@@ -58,7 +58,7 @@ class Node:
         self.node._endpoints = {e.key: e for e in (POD_A, POD_B)}
         self.frames: list[bytes] = []
         self.node._send_frame = (  # type: ignore[method-assign]
-            lambda frame, count, host_only: self.frames.append(frame)
+            lambda frame, count, host_only, urgent: self.frames.append(frame)
         )
 
     def deliver_to(self, other: Node) -> None:
@@ -345,3 +345,96 @@ def test_merged_exposition_labels_every_sample_with_its_worker() -> None:
     workers = {s.labels["state"]: s.value
                for s in families[("pdgate_metrics_workers", "gauge")].samples}
     assert workers == {"answered": 2.0, "missing": 1.0}
+
+
+class Worker:
+    """A SyncNode over the real workers' channel (`run`), with a real clock."""
+
+    def __init__(self, run_dir: Path, worker: int, catch_up_s: float) -> None:
+        self.registry = registry = CollectorRegistry()
+        self.inflight = InFlight(registry)
+        self.approx = ApproximatePrefixIndex()
+        engines = EngineMetricsStore()
+        self.node = SyncNode(
+            SyncConfig(host_id="h", worker=worker, workers=2, run_dir=str(run_dir),
+                       catch_up_s=catch_up_s, heartbeat_s=3600.0, ttl_s=7200.0),
+            inflight=self.inflight, outliers=OutlierDetector(ResilienceConfig()),
+            approx=self.approx, engines=engines,
+            scraper=MetricsScraper(engines, SchedulerMetrics(registry)), view=ClusterView(),
+            registry=registry,
+        )
+        self.node._endpoints = {e.key: e for e in (POD_A, POD_B)}
+        self.task = asyncio.create_task(self.node.run())
+
+
+async def _turns(count: int) -> None:
+    for _ in range(count):
+        await asyncio.sleep(0)
+
+
+async def test_workers_read_state_when_they_pick_and_placements_at_once(
+    tmp_path: Path,
+) -> None:
+    """Over the real sockets: a sibling's counts and routes wait in the state lane until
+    this worker catches up (before a pick, or every `catch_up_s`) instead of waking it;
+    a new-prompt question wakes the leader, which catches up on the asker's routes
+    before it places."""
+    one, two = Worker(tmp_path, 0, catch_up_s=3600.0), Worker(tmp_path, 1, catch_up_s=3600.0)
+    try:
+        await _turns(5)  # both bound; each caught up once at start
+        two.inflight.acquire(POD_A)  # a pod turning busy goes out at the next turn
+        await _turns(20)
+        assert one.inflight.get(POD_A) == 0  # sent, not read: nothing woke worker 0
+        one.node.catch_up()  # as its next pick does
+        assert one.inflight.get(POD_A) == 1
+
+        seen: list[list[int]] = []
+
+        def placer(*_: Any) -> tuple[str, ...]:
+            seen.append(one.approx.match([POD_B.key], [7, 8]))
+            return (POD_B.key,)
+
+        one.node.placer = placer
+        _know_each_other_live(one, two)
+        two.approx.record(POD_B.key, [7, 8])  # routed just before the question
+        async with asyncio.timeout(5.0):
+            pods = await two.node.place("default/pd", "m", "/v1/chat/completions", "pd",
+                                        CHAT_BODY)
+        assert pods == (POD_B.key,)
+        assert seen == [[2]]  # the leader had read the route when it placed
+    finally:
+        for worker in (one, two):
+            worker.task.cancel()
+        await asyncio.gather(one.task, two.task, return_exceptions=True)
+    assert not _socket_files(tmp_path)
+
+
+def _socket_files(run_dir: Path) -> list[Path]:
+    return list(run_dir.glob("*.sock"))
+
+
+def _know_each_other_live(*workers: Worker) -> None:
+    for worker in workers:
+        worker.node.heartbeat()
+        worker.node.flush()
+    for worker in workers:
+        worker.node.catch_up()
+
+
+async def test_an_idle_worker_catches_up_by_itself(tmp_path: Path) -> None:
+    """Nobody picks on worker 0: it reads its sibling's counts every `catch_up_s` (the
+    sleeps below end after the backstop timers due before them, however slow the loop)."""
+    one, two = Worker(tmp_path, 0, catch_up_s=0.01), Worker(tmp_path, 1, catch_up_s=0.01)
+    try:
+        await _turns(5)
+        two.inflight.acquire(POD_A)
+        await asyncio.sleep(0.05)
+        assert one.inflight.get(POD_A) == 1
+        two.inflight.release(POD_A)
+        two.node.flush()  # a count falling waits for the flush window otherwise
+        await asyncio.sleep(0.05)
+        assert one.inflight.get(POD_A) == 0
+    finally:
+        for worker in (one, two):
+            worker.task.cancel()
+        await asyncio.gather(one.task, two.task, return_exceptions=True)

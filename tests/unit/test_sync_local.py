@@ -1,6 +1,6 @@
 """`router.sync.local`: the workers' datagram channel over real Unix sockets: order, a full
-receive queue (held, never dropped or waited on), an absent or restarted sibling, and a
-batch too large for one frame split by the node."""
+receive queue (held, never dropped or waited on), an absent or restarted sibling, and the
+two lanes (state frames wait for a `drain`, urgent ones arrive by themselves)."""
 
 from __future__ import annotations
 
@@ -34,11 +34,12 @@ class Worker:
         self.dropped += frames
 
     async def until(self, check: Callable[[], bool]) -> None:
-        """Wait for frames until `check` holds (at most 2 s)."""
+        """Read the state lane each loop turn until `check` holds (at most 2 s), as a
+        worker that picks all the time would."""
         async with asyncio.timeout(2.0):
             while not check():
-                self.arrived.clear()
-                await self.arrived.wait()
+                self.channel.drain()
+                await asyncio.sleep(0)
 
     def open(self) -> Worker:
         self.channel.open(asyncio.get_running_loop())
@@ -122,3 +123,25 @@ async def test_three_workers_each_reach_both_siblings(tmp_path: Path) -> None:
     finally:
         for w in workers:
             w.channel.close()
+
+
+async def test_state_frames_wait_for_a_drain_and_urgent_ones_arrive_by_themselves(
+    tmp_path: Path,
+) -> None:
+    a, b = Worker(tmp_path, 0).open(), Worker(tmp_path, 1).open()
+    try:
+        a.channel.send(b"count")
+        a.channel.send(b"ask", urgent=True)
+        async with asyncio.timeout(2.0):
+            await b.arrived.wait()  # the event loop read the urgent lane
+        assert b.received == [b"ask"]
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert b.received == [b"ask"]  # the state frame did not wake the loop
+        assert b.channel.drain() == 1
+        assert b.received == [b"ask", b"count"]
+        assert b.channel.drain() == 0
+    finally:
+        a.channel.close()
+        b.channel.close()
+    assert not _socket_files(tmp_path)

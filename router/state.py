@@ -86,8 +86,7 @@ class AppState:
         if self.sync is not None:  # new prompts are placed by the sync's leader
             self.sync.placer = self._place_for_peer
             self.scheduler_runtime.deps.place = self.sync.place
-            if config.sync is not None and config.sync.workers > 1:  # siblings' frames
-                self.scheduler_runtime.deps.catch_up = self.sync.catch_up
+            self.scheduler_runtime.deps.catch_up = self.sync.catch_up
         #: `--workers N`: this worker's metrics for its siblings, and theirs for a scrape.
         self.worker_metrics = (
             WorkerMetrics(config.sync, self.render_metrics)

@@ -222,8 +222,9 @@ class SchedulerDeps:
         Callable[[str, str, str, str, Mapping[str, Any]], Awaitable[tuple[str, ...] | None]]
         | None
     ) = None
-    #: Applies what other router processes of this host changed and this one has not
-    #: read yet (`router.sync`: `--workers N`); called before every pick.
+    #: Sends what this router process changed and has not sent yet, and applies what the
+    #: other workers of its host sent (`router.sync.SyncNode.catch_up`); called before
+    #: every pick. None: no other router process.
     catch_up: Callable[[], None] | None = None
 
 

@@ -19,13 +19,15 @@ Publishing never waits: a local change (in-flight count, routed prompt, ejection
 scrape) is queued and the queue goes out as ONE frame. A decision another process must
 see before its next pick (a routed prompt, an ejection, a pod this process had nothing
 on turning busy) is flushed at the next turn of the event loop; other counts and scrapes
-within `flush_interval_s` (5 ms), so every request of that window shares one send and
-in-flight counts are coalesced per pod (only the latest count is sent). Flushing
-everything at the next turn sent a frame on almost every turn under load (acquire and
-release of prefill and decode happen on different turns): one send, and one wake-up of
-every other process, each time. A batch that would encode larger than `MAX_FRAME_BYTES`
-goes out as several frames. A heartbeat every `heartbeat_s` carries the whole
-in-flight report, so a dropped message is repaired within one heartbeat.
+at this process's next pick (`catch_up`), or after `flush_interval_s` (20 ms) without
+one, so every request of that window shares one send and in-flight counts are coalesced
+per pod (only the latest count is sent). Flushing everything at the next turn sent a
+frame on almost every turn under load (acquire and release of prefill and decode happen
+on different turns): one send, and one wake-up of every other process, each time; and a
+5 ms window alone woke the sender once more for most requests at 150 a second. A batch
+that would encode larger than `MAX_FRAME_BYTES` goes out as several frames. A heartbeat
+every `heartbeat_s` carries the whole in-flight report, so a dropped message is repaired
+within one heartbeat.
 
 New prompts: where a prompt no pod holds starts is decided by one process, the leader
 (the lowest origin among this process and its live peers). Two routers that receive one
@@ -331,8 +333,11 @@ class SyncNode:
     # -- what the others changed ----------------------------------------------------------
 
     def catch_up(self) -> None:
-        """Apply what this host's other workers sent on the state lane and this one has not
-        read yet (called before every pick, and every `catch_up_s` by itself)."""
+        """Before a pick: send what this process changed and has not sent yet (instead of
+        waking for it later), and apply what this host's other workers sent on the state
+        lane and this one has not read yet (also every `catch_up_s` by itself)."""
+        if self._pending or self._pending_inflight:
+            self.flush()
         if self._local is None or self._catching_up:
             return
         self._catching_up = True

@@ -127,6 +127,26 @@ async def test_a_pod_turning_busy_reaches_the_peer_at_the_next_turn(
     assert two.inflight.get(POD_B) == 1
 
 
+async def test_a_pick_sends_what_waits_for_the_window(pair: tuple[Node, Node, Clock]) -> None:
+    """A count that need not go at once waits for `flush_interval_s`, unless this process
+    picks first: then it goes with the pick (no wake-up of its own for it)."""
+    one, two, _ = pair
+    one.node._loop = asyncio.get_running_loop()
+    one.node.config = replace(one.node.config, flush_interval_s=3600.0)
+    one.inflight.acquire(POD_A)
+    await asyncio.sleep(0)  # turning busy: sent at the next turn
+    one.deliver_to(two)
+    assert two.inflight.get(POD_A) == 1
+    one.inflight.release(POD_A)  # falling: waits for the window
+    await asyncio.sleep(0)
+    assert not one.frames
+    one.node.catch_up()  # as the scheduler does before a pick
+    assert len(one.frames) == 1
+    for frame in one.frames:
+        two.node.apply(frame)
+    assert two.inflight.get(POD_A) == 0
+
+
 def test_a_lost_message_is_repaired_by_the_heartbeat(pair: tuple[Node, Node, Clock]) -> None:
     one, two, _ = pair
     one.node.heartbeat()

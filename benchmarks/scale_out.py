@@ -39,7 +39,10 @@ same tiny requests open loop at `--fixed-rate` (a rate no setup is saturated at)
 request there is what a request costs each setup at equal load, without the batching a
 saturated loop gets (a router-bound run gives one process fuller loop turns than two);
 two routers that share nothing show what running two processes costs by itself, and the
-sync is the difference between them and `--workers 2` / 2 replicas.
+sync is the difference between them and `--workers 2` / 2 replicas. Wake-ups per request
+there are the router processes' voluntary context switches (each time a thread slept
+and something had to wake it: a loop turn, a ZMQ I/O thread's read): the part of a
+request's CPU that more processes multiply.
 """
 
 from __future__ import annotations
@@ -161,6 +164,17 @@ def _cpu(processes: Sequence[psutil.Process]) -> float:
     return total
 
 
+def _wakeups(processes: Sequence[psutil.Process]) -> int:
+    """Voluntary context switches of the router processes and their children: how often
+    their threads went to sleep, so how often something had to wake them."""
+    total = 0
+    for process in processes:
+        with contextlib.suppress(psutil.Error):
+            for p in [process, *process.children(recursive=True)]:
+                total += p.num_ctx_switches().voluntary
+    return total
+
+
 @dataclass(slots=True)
 class Routers:
     """One setup's router processes, the URLs a client uses, one keep-alive pool per URL."""
@@ -173,6 +187,9 @@ class Routers:
 
     def cpu(self) -> float:
         return _cpu(self.procs)
+
+    def wakeups(self) -> int:
+        return _wakeups(self.procs)
 
 
 async def start_routers(
@@ -303,9 +320,12 @@ class Run:
     #: Router CPU seconds the same processes spend in as long without traffic.
     idle_cpu_s: float = 0.0
     splits: Splits = Splits(0, 0, 0)
+    #: Voluntary context switches of the router processes (the fixed-rate part).
+    wakeups: int = 0
 
     def add(self, other: Run) -> None:
         self.splits += other.splits
+        self.wakeups += other.wakeups
         self.idle_cpu_s += other.idle_cpu_s
         self.results += other.results
         self.hit_tokens += other.hit_tokens
@@ -514,12 +534,14 @@ async def bench_fast(
                           f"{run.errors} errors", flush=True)
                     if args.fixed_requests > 0:
                         await settle(routers)
+                        wakeups = routers.wakeups()
                         results, seconds, cpu = await send_at_rate(
                             routers, tiny_prompts(args.fixed_requests),
                             f"fixed-{round_index}", args.fixed_rate, FAST_MODEL,
                         )
                         run = Run(setup, "fixed", results, cpu_s=cpu, seconds=seconds,
-                                  idle_cpu_s=idle * seconds)
+                                  idle_cpu_s=idle * seconds,
+                                  wakeups=routers.wakeups() - wakeups)
                         fixed.setdefault(setup, Run(setup, "fixed")).add(run)
                         print(f"  round {round_index + 1} {setup} at {args.fixed_rate:g} "
                               f"req/s: CPU {1e3 * run.cpu_per_request:.2f} ms/request, "
@@ -578,13 +600,14 @@ def _against_one(pooled: dict[str, Run]) -> Iterator[tuple[Run, float, float, fl
 def fixed_table(pooled: dict[str, Run]) -> str:
     """CPU per request at the same offered load (`--fixed-rate`), against one process."""
     lines = ["| setup (`--fast` pods) | achieved requests / s | router CPU ms / request "
-             "| vs one process | net of idle CPU ms / request | vs one process | TTFT p50 (ms) "
-             "| errors |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| vs one process | net of idle CPU ms / request | vs one process "
+             "| wake-ups / request | TTFT p50 (ms) | errors |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for run, _, cpu, busy in _against_one(pooled):
+        wakeups = run.wakeups / len(run.results) if run.results else 0.0
         lines.append(f"| {run.setup} | {run.requests_per_s:.0f} "
                      f"| {1e3 * run.cpu_per_request:.2f} | {cpu:.2f}x "
-                     f"| {1e3 * run.busy_cpu_per_request:.2f} | {busy:.2f}x "
+                     f"| {1e3 * run.busy_cpu_per_request:.2f} | {busy:.2f}x | {wakeups:.2f} "
                      f"| {1e3 * run.ttft(0.5):.1f} | {run.errors} |")
     return "\n".join(lines)
 

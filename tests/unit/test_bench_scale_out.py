@@ -81,10 +81,11 @@ async def test_requests_go_out_at_the_rate_alternating_between_urls(
 def test_tables_give_each_setup_against_one_process() -> None:
     done = [RequestResult(0.002, 200, None, None, None, True)] * 100
     one = Run("one process", "fixed", done, cpu_s=0.05, seconds=1.0, idle_cpu_s=0.01)
-    two = Run("--workers 2", "fixed", done, cpu_s=0.08, seconds=1.0, idle_cpu_s=0.02)
+    two = Run("--workers 2", "fixed", done, cpu_s=0.08, seconds=1.0, idle_cpu_s=0.02,
+              wakeups=250)
     fixed = fixed_table({"--workers 2": two, "one process": one}).splitlines()
-    assert fixed[2].startswith("| one process | 100 | 0.50 | 1.00x | 0.40 | 1.00x |")
-    assert fixed[3].startswith("| --workers 2 | 100 | 0.80 | 1.60x | 0.60 | 1.50x |")
+    assert fixed[2].startswith("| one process | 100 | 0.50 | 1.00x | 0.40 | 1.00x | 0.00 |")
+    assert fixed[3].startswith("| --workers 2 | 100 | 0.80 | 1.60x | 0.60 | 1.50x | 2.50 |")
     fast = fast_table({"one process": one, "--workers 2": two}).splitlines()
     assert fast[3].startswith("| --workers 2 | 100 | 1.00x | 0.80 | 1.60x | 0.60 | 1.50x | 2.0% |")
 

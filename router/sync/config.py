@@ -10,7 +10,7 @@ from typing import Final
 DEFAULT_HEARTBEAT_S: Final = 0.2
 #: Longest that local changes which need not go at once are gathered before they go
 #: out as one frame, when no pick sends them earlier (`node.py`).
-DEFAULT_FLUSH_INTERVAL_S: Final = 0.02
+DEFAULT_FLUSH_INTERVAL_S: Final = 0.005
 #: Seconds without a frame after which an origin is lost and its contributions expire.
 DEFAULT_TTL_S: Final = 1.0
 #: TCP port of a host's peer channel (worker 0 binds it; peers connect to it).

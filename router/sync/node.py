@@ -19,12 +19,14 @@ Publishing never waits: a local change (in-flight count, routed prompt, ejection
 scrape) is queued and the queue goes out as ONE frame. A decision another process must
 see before its next pick (a routed prompt, an ejection, a pod this process had nothing
 on turning busy) is flushed at the next turn of the event loop; other counts and scrapes
-at this process's next pick (`catch_up`), or after `flush_interval_s` (20 ms) without
-one, so every request of that window shares one send and in-flight counts are coalesced
-per pod (only the latest count is sent). Flushing everything at the next turn sent a
-frame on almost every turn under load (acquire and release of prefill and decode happen
-on different turns): one send, and one wake-up of every other process, each time; and a
-5 ms window alone woke the sender once more for most requests at 150 a second. A batch
+at this process's next pick (`catch_up`) or after `flush_interval_s` (5 ms), whichever
+comes first, so every request of that window shares one send and in-flight counts are
+coalesced per pod (only the latest count is sent). Flushing everything at the next turn
+sent a frame on almost every turn under load (acquire and release of prefill and decode
+happen on different turns): one send, and one wake-up of every other process, each
+time. (A 20 ms window, so that a busy process would send nearly all of them with a pick
+and wake for none, saved no CPU the scale-out bench could see, for counts up to 20 ms
+staler: not kept.) A batch
 that would encode larger than `MAX_FRAME_BYTES` goes out as several frames. A heartbeat
 every `heartbeat_s` carries the whole in-flight report, so a dropped message is repaired
 within one heartbeat.

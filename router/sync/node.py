@@ -313,7 +313,9 @@ class SyncNode:
         _, leader, ask, server, model, path, flow, body = message
         if leader != self.origin or self.placer is None:
             return
-        self.catch_up()  # the asker's routes and counts sent before its question
+        # The asker's routes and counts sent before its question in; this process's own
+        # changes out, ahead of the answer (the asker reads them before it picks).
+        self.catch_up()
         try:
             pods = self.placer(asker, server, model, path, flow, body)
         except Exception:  # the asker then places it itself; the frame's other messages apply

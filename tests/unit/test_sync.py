@@ -370,14 +370,16 @@ def test_merged_exposition_labels_every_sample_with_its_worker() -> None:
 class Worker:
     """A SyncNode over the real workers' channel (`run`), with a real clock."""
 
-    def __init__(self, run_dir: Path, worker: int, catch_up_s: float) -> None:
+    def __init__(self, run_dir: Path, worker: int, catch_up_s: float,
+                 flush_interval_s: float = 0.005) -> None:
         self.registry = registry = CollectorRegistry()
         self.inflight = InFlight(registry)
         self.approx = ApproximatePrefixIndex()
         engines = EngineMetricsStore()
         self.node = SyncNode(
             SyncConfig(host_id="h", worker=worker, workers=2, run_dir=str(run_dir),
-                       catch_up_s=catch_up_s, heartbeat_s=3600.0, ttl_s=7200.0),
+                       catch_up_s=catch_up_s, heartbeat_s=36000.0, ttl_s=72000.0,
+                       flush_interval_s=flush_interval_s),
             inflight=self.inflight, outliers=OutlierDetector(ResilienceConfig()),
             approx=self.approx, engines=engines,
             scraper=MetricsScraper(engines, SchedulerMetrics(registry)), view=ClusterView(),
@@ -398,8 +400,9 @@ async def test_workers_read_state_when_they_pick_and_placements_at_once(
     """Over the real sockets: a sibling's counts and routes wait in the state lane until
     this worker catches up (before a pick, or every `catch_up_s`) instead of waking it;
     a new-prompt question wakes the leader, which catches up on the asker's routes
-    before it places."""
-    one, two = Worker(tmp_path, 0, catch_up_s=3600.0), Worker(tmp_path, 1, catch_up_s=3600.0)
+    before it places, and sends what it decided itself before its answer."""
+    one, two = (Worker(tmp_path, w, catch_up_s=3600.0, flush_interval_s=3600.0)
+                for w in (0, 1))
     try:
         await _turns(5)  # both bound; each caught up once at start
         two.inflight.acquire(POD_A)  # a pod turning busy goes out at the next turn
@@ -416,12 +419,19 @@ async def test_workers_read_state_when_they_pick_and_placements_at_once(
 
         one.node.placer = placer
         _know_each_other_live(one, two)
+        one.inflight.acquire(POD_B)
+        await _turns(2)
+        two.node.catch_up()
+        assert two.inflight.get(POD_B) == 1
+        one.inflight.release(POD_B)  # falling: waits for the (hour-long) window
         two.approx.record(POD_B.key, [7, 8])  # routed just before the question
         async with asyncio.timeout(5.0):
             pods = await two.node.place("default/pd", "m", "/v1/chat/completions", "pd",
                                         CHAT_BODY)
         assert pods == (POD_B.key,)
         assert seen == [[2]]  # the leader had read the route when it placed
+        two.node.catch_up()  # as the pick that follows the answer does
+        assert two.inflight.get(POD_B) == 0  # sent before the answer
     finally:
         for worker in (one, two):
             worker.task.cancel()

@@ -12,8 +12,10 @@ Two lanes, because what wakes a worker is what its sync costs:
   reads what is queued (`drain`) when it is about to use it (before every pick, through
   `SyncNode.catch_up`) and otherwise every `SyncConfig.catch_up_s`. A pick so sees every
   frame sent before it, and a frame costs a `recv` and its apply, not a wake-up of the
-  event loop: at 300 requests/s over `--workers 2` every request sent one or two frames
-  and each woke the other worker's idle loop, about a fifth of the router's CPU.
+  event loop. At 300 requests/s over `--workers 2` every request sent one or two frames
+  and each woke the other worker's idle loop: 1.37x one process's CPU a request, against
+  1.15x for two processes sharing nothing; read at the pick, 1.19x-1.40x against
+  1.19x-1.39x (`benchmarks/results/2026-12-05-sync-lanes/`).
 - **urgent** (`config.urgent_address`): the new-prompt questions and answers
   (`node.py`, "New prompts"), read by the loop as they arrive: somebody waits for each.
 

@@ -26,10 +26,9 @@ sent a frame on almost every turn under load (acquire and release of prefill and
 happen on different turns): one send, and one wake-up of every other process, each
 time. (A 20 ms window, so that a busy process would send nearly all of them with a pick
 and wake for none, saved no CPU the scale-out bench could see, for counts up to 20 ms
-staler: not kept.) A batch
-that would encode larger than `MAX_FRAME_BYTES` goes out as several frames. A heartbeat
-every `heartbeat_s` carries the whole in-flight report, so a dropped message is repaired
-within one heartbeat.
+staler: not kept.) A batch that would encode larger than `MAX_FRAME_BYTES` goes out as
+several frames. A heartbeat every `heartbeat_s` carries the whole in-flight report, so a
+dropped message is repaired within one heartbeat.
 
 New prompts: where a prompt no pod holds starts is decided by one process, the leader
 (the lowest origin among this process and its live peers). Two routers that receive one
@@ -40,9 +39,9 @@ second. Another process asks the leader (PLACE, with the request's body), the le
 as for its own request, counts the asker's request on the pods at once (the asker's own
 count replaces that within `flush_interval_s`) and answers (PLACED); the asker dispatches
 there. Questions and answers are frames of their own, unsequenced, on the workers'
-urgent lane; the leader catches up on the asker's state before it picks. An answer later
-than `place_timeout_s` (a busy, lost or partitioned leader) is
-not waited for: the asker places the prompt itself, as every process does with
+urgent lane; the leader catches up on the asker's state before it picks. An answer
+later than `place_timeout_s` (a busy, lost or partitioned leader) is not waited for:
+the asker places the prompt itself, as every process does with
 `place_timeout_s` 0. A prompt whose body does not fit one frame is placed where it
 arrived. The cost: a round trip to the leader for each new prompt another process
 receives, and one more pick at the leader (`pdgate_sync_placements_total`). That pick
@@ -313,8 +312,9 @@ class SyncNode:
         _, leader, ask, server, model, path, flow, body = message
         if leader != self.origin or self.placer is None:
             return
-        # The asker's routes and counts sent before its question in; this process's own
-        # changes out, ahead of the answer (the asker reads them before it picks).
+        # Read the asker's routes and counts sent before its question, and send this
+        # process's waiting changes ahead of the answer (the asker reads them before it
+        # picks).
         self.catch_up()
         try:
             pods = self.placer(asker, server, model, path, flow, body)

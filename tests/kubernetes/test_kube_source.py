@@ -82,9 +82,10 @@ async def test_sync_waits_for_an_unreachable_api_server(
     seed(fake_apiserver)
     await fake_apiserver.stop()
     running = await start_source(wait_synced=False)
-    await asyncio.sleep(0.5)
+    await wait_until(
+        lambda: running.metric(RESTARTS, resource="modelservers", reason="unreachable") >= 1
+    )
     assert not running.source.synced
-    assert running.metric(RESTARTS, resource="modelservers", reason="unreachable") >= 1
     await fake_apiserver.start()
     await wait_until(lambda: running.source.synced)
     assert_matches_server(running, fake_apiserver)
@@ -261,7 +262,7 @@ async def test_api_server_killed_and_restarted(
         await asyncio.sleep(0.1)
         assert running.source.synced, "synced must hold while the API server is gone"
         assert running.pod_names() == before, "the last good state is served"
-    assert running.metric(RESTARTS, resource="pods", reason="unreachable") >= 1
+    await wait_until(lambda: running.metric(RESTARTS, resource="pods", reason="unreachable") >= 1)
 
     await fake_apiserver.start()
     restarted = time.perf_counter()
@@ -443,9 +444,12 @@ async def test_event_posting_refused_is_counted_not_fatal(
     seed(fake_apiserver)
     fake_apiserver.token = "rotated"  # every call is now 401, Event POSTs included
     running = await start_source(wait_synced=False)
-    await asyncio.sleep(0.3)
+    # The first refused LIST is counted at once (20-50 ms here, once over 0.3 s on a fresh
+    # clone): wait for it rather than for a fixed time.
+    await wait_until(
+        lambda: running.metric(RESTARTS, resource="modelservers", reason="http_error") >= 1
+    )
     assert not running.source.synced
-    assert running.metric(RESTARTS, resource="modelservers", reason="http_error") >= 1
     fake_apiserver.token = "fake-token"
     await wait_until(lambda: running.source.synced)
     # `synced` turns true after the LIST; the WATCH request follows it. Rotating the token

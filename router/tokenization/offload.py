@@ -21,6 +21,8 @@ encoding chat-prompt chunks one job per thread cost 0.74 µs of CPU a token agai
 with the library's pool (0.69 against 0.73-0.82 on an idle machine), and its wall time
 was shorter too (0.95 against 1.20 µs a token). `pdgate serve` therefore switches the
 library's pool off (`single_threaded_library`) unless `TOKENIZERS_PARALLELISM` is set.
+In the trace phase the switch made no difference beyond that phase's run-to-run spread
+(`benchmarks/results/2026-12-05-tokenizer-threads/`).
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
@@ -153,26 +153,33 @@ class _PodsOnly(PolicyCluster):
         return None
 
 
-def _cpu(processes: Sequence[psutil.Process]) -> float:
-    """CPU seconds of the router processes: each one and its children (the workers)."""
+def _tree_sum(
+    processes: Sequence[psutil.Process], measure: Callable[[psutil.Process], float]
+) -> float:
+    """`measure` summed over the router processes, each one and its children (the
+    workers); a process tree that went away counts what was read of it."""
     total = 0.0
     for process in processes:
         with contextlib.suppress(psutil.Error):
             for p in [process, *process.children(recursive=True)]:
-                times = p.cpu_times()
-                total += times.user + times.system
+                total += measure(p)
     return total
+
+
+def _cpu_s(p: psutil.Process) -> float:
+    times = p.cpu_times()
+    return float(times.user + times.system)
+
+
+def _cpu(processes: Sequence[psutil.Process]) -> float:
+    """CPU seconds of the router processes and their children."""
+    return _tree_sum(processes, _cpu_s)
 
 
 def _wakeups(processes: Sequence[psutil.Process]) -> int:
     """Voluntary context switches of the router processes and their children: how often
     their threads went to sleep, so how often something had to wake them."""
-    total = 0
-    for process in processes:
-        with contextlib.suppress(psutil.Error):
-            for p in [process, *process.children(recursive=True)]:
-                total += p.num_ctx_switches().voluntary
-    return total
+    return int(_tree_sum(processes, lambda p: p.num_ctx_switches().voluntary))
 
 
 @dataclass(slots=True)

@@ -603,8 +603,8 @@ def _has_content(data: bytes) -> bool:
 
 #: Engines for the figures: a small KV cache (256 blocks of 16 tokens: three and a half of
 #: the ~1,100-token system prompts) so that spreading every group over every pod evicts, at
-#: most 2 prefills at once (prefill is compute-bound: a busy pod queues), and 0.2 ms a
-#: prompt token (a 1,100-token miss: ~0.23 s; a hit: ~15 ms).
+#: most 2 requests admitted at once (prefilled one after the other, `engine_sim.compute`: a
+#: busy pod queues), and 0.2 ms a prompt token (a 1,100-token miss: ~0.23 s; a hit: ~15 ms).
 KV_CAPACITY_BLOCKS: Final = 256
 
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from engine_sim.block_hash import BlockHashMemo
 from engine_sim.bootstrap import BootstrapServer, Rendezvous
 from engine_sim.cache_events import CacheEventSink
+from engine_sim.compute import ComputeLine
 from engine_sim.config import SimConfig
 from engine_sim.generation import local_seed, output_pieces, store_seed
 from engine_sim.kv_params import TransferMode, TransferPlan, build_prefill_handle
@@ -77,6 +78,7 @@ class Engine:
         self.cache = PrefixCache(config.kv_capacity_blocks, config.block_size, on_cache_event)
         self.pending = PendingBlocks()
         self.scheduler = Scheduler(config.max_num_seqs, config.max_waiting)
+        self.compute = ComputeLine()
         self.transfer = (
             StoreKVTransfer(store, config.model, config.kv_block_bytes) if store else None
         )
@@ -93,8 +95,8 @@ class Engine:
         self.stats = SimStats(config.recent_records)
         self.metrics = EngineMetrics(
             config.model,
-            running=lambda: self.scheduler.running,
-            waiting=lambda: self.scheduler.waiting,
+            running=lambda: self.running,
+            waiting=lambda: self.waiting,
             kv_usage=self.cache.usage,
             block_size=config.block_size,
             num_gpu_blocks=config.kv_capacity_blocks,
@@ -146,9 +148,19 @@ class Engine:
                 )
             )
 
+    @property
+    def running(self) -> int:
+        """Requests in the running batch (vLLM's RUNNING): admitted, not queued for compute."""
+        return self.scheduler.running - self.compute.waiting
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting to be admitted or for the compute line (vLLM's WAITING)."""
+        return self.scheduler.waiting + self.compute.waiting
+
     async def token_gap(self) -> None:
         """Wait one inter-token latency for the current batch size."""
-        await pause(self.latency.inter_token_seconds(self.scheduler.running))
+        await pause(self.latency.inter_token_seconds(self.running))
 
     @property
     def paces_tokens(self) -> bool:
@@ -213,8 +225,10 @@ class Engine:
         writing: asyncio.Task[ExportResult] | None = None
         try:
             per_token = config.store_load_per_token_s
-            modelled = (
-                self.latency.prefill_seconds(num_tokens - computed)
+            # Beside the compute line: the step's fixed cost and the KV that crossed the
+            # network (the connector loads it before the request is scheduled).
+            beside = (
+                self.latency.prefill_overhead_s
                 + self.latency.kv_transfer_seconds(moved_tokens)
                 + (
                     self.latency.kv_transfer_seconds(loaded * size)
@@ -228,7 +242,8 @@ class Engine:
                 writing = asyncio.create_task(self._require_transfer().export_blocks(hashes))
             try:
                 await self.pending.wait(claim)  # a hit on blocks still being written
-                await pause(modelled - reads_s)
+                await pause(beside - reads_s)
+                await self.compute.run(self.latency.compute_seconds(num_tokens - computed))
             finally:
                 self.pending.release(claim)
             handle: dict[str, Any] | None = None
@@ -327,8 +342,8 @@ class Engine:
             "engine_id": config.engine_id,
             "pod_name": config.pod_name,
             "model": config.model,
-            "running": self.scheduler.running,
-            "waiting": self.scheduler.waiting,
+            "running": self.running,
+            "waiting": self.waiting,
             "kv_cache": {
                 "capacity_blocks": self.cache.capacity,
                 "cached_blocks": self.cache.num_cached,

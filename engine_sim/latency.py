@@ -1,7 +1,8 @@
 """How long simulated work takes: a few flags that shape TTFT and inter-token latency.
 
-Prefill grows with the tokens the prefix cache (or the KV store) did not supply; decode
-slows as the running batch grows. `--fast` zeroes everything so that tests and
+Prefill grows with the tokens the prefix cache (or the KV store) did not supply, and a
+pod computes one prompt's tokens at a time (`compute.ComputeLine`); decode slows as the
+running batch grows. `--fast` zeroes everything so that tests and
 router-overhead benchmarks measure the router, not the engine. Sleeps are asyncio sleeps.
 
 Moving KV (a prefix loaded from the Mooncake Store, a prefill-to-decode transfer) costs
@@ -53,8 +54,12 @@ class LatencyModel:
         return tokens * self.kv_bytes_per_token / self.kv_bandwidth_bytes_per_s
 
     def prefill_seconds(self, uncached_tokens: int) -> float:
-        """overhead + uncached tokens x per-token cost."""
-        return self.prefill_overhead_s + max(0, uncached_tokens) * self.prefill_per_token_s
+        """overhead + uncached tokens x per-token cost (on an idle pod)."""
+        return self.prefill_overhead_s + self.compute_seconds(uncached_tokens)
+
+    def compute_seconds(self, uncached_tokens: int) -> float:
+        """The part of a prefill that holds the pod's compute (`compute.ComputeLine`)."""
+        return max(0, uncached_tokens) * self.prefill_per_token_s
 
     def inter_token_seconds(self, running: int) -> float:
         """base + per-running-request growth x running batch."""

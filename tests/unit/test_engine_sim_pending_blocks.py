@@ -61,15 +61,19 @@ async def test_a_hit_on_blocks_being_computed_comes_after_their_prefill() -> Non
     assert len(engine.pending) == 0
 
 
-async def test_other_prompts_do_not_wait_and_computed_blocks_hit_at_once() -> None:
+async def test_other_prompts_claim_nothing_and_computed_blocks_hit_at_once() -> None:
     engine = _engine()
     done: list[tuple[str, int]] = []
     first = asyncio.create_task(_first_token(engine, PROMPT, done, "first"))
     await _prefilling(engine)
-    await _first_token(engine, "omega " * 8, done, "unrelated")  # shares no block
+    other = parse_request({"model": "m", "prompt": "omega " * 8, "max_tokens": 1},
+                          "completion", engine.tokenizer, engine.limits)
+    claim = engine.pending.claim(engine.block_hashes.hashes(other.token_ids, None), 0)
+    assert claim.waits_for == ()  # a prompt that shares no block waits for no one's blocks
+    engine.pending.release(claim)
     await first
     await _first_token(engine, PROMPT, done, "after")  # the blocks exist: no wait
-    assert done == [("unrelated", 0), ("first", 0), ("after", 176)]
+    assert done == [("first", 0), ("after", 176)]
     assert len(engine.pending) == 0
 
 

@@ -1,0 +1,90 @@
+"""A pod prefills one prompt at a time, in arrival order (`engine_sim/compute.py`).
+
+vLLM v1 spends each step's token budget on running requests before waiting ones, so a
+prompt's prefill starts once the earlier prompts' are done; while it waits it is a WAITING
+request in the engine's metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from engine_sim.compute import ComputeLine
+from engine_sim.config import SimConfig
+from engine_sim.engine import Engine
+from engine_sim.kv_params import parse_kv_transfer_params
+from engine_sim.latency import LatencyModel
+from engine_sim.prompts import STAND_IN
+from engine_sim.protocol import parse_request
+
+#: 0.5 ms a token: the long prompt (~400 tokens) computes for about 0.2 s, the short one
+#: (~16 tokens) for 8 ms.
+LATENCY = LatencyModel(prefill_overhead_s=0.0, prefill_per_token_s=0.0005)
+LONG = "alpha beta gamma delta " * 50
+SHORT = "omega " * 8
+
+
+def _engine(latency: LatencyModel = LATENCY) -> Engine:
+    config = SimConfig(role="both", model="m", port=0, host="127.0.0.1", tokenizer=STAND_IN,
+                       python_hash_seed="0", latency=latency, max_num_seqs=8)
+    return Engine(config, None)
+
+
+async def _first_token(engine: Engine, prompt: str, done: list[str]) -> None:
+    parsed = parse_request({"model": "m", "prompt": prompt, "max_tokens": 1}, "completion",
+                           engine.tokenizer, engine.limits)
+    async with engine.run(parsed, prompt[:5], parse_kv_transfer_params(None),
+                          time.perf_counter()):
+        done.append(prompt[:5])
+
+
+def _gauges(engine: Engine) -> dict[str, float]:
+    lines = engine.metrics.render().decode().splitlines()
+    return {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in lines
+            if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting"))}
+
+
+async def test_a_short_prompt_behind_a_long_one_waits_for_it() -> None:
+    engine = _engine()
+    done: list[str] = []
+    long = asyncio.create_task(_first_token(engine, LONG, done))
+    await asyncio.sleep(0)  # the long prompt is on the line
+    short = asyncio.create_task(_first_token(engine, SHORT, done))
+    await asyncio.sleep(0.02)
+    # Both admitted (max_num_seqs 8), one computing, one queued for the compute: vLLM's
+    # RUNNING and WAITING.
+    assert (engine.running, engine.waiting) == (1, 1)
+    assert _gauges(engine) == {"vllm:num_requests_running": 1.0,
+                               "vllm:num_requests_waiting": 1.0}
+    await asyncio.gather(long, short)
+    # With a prefill lane each, the short prompt's 8 ms would have ended first.
+    assert done == ["alpha", "omega"]
+    assert (engine.running, engine.waiting) == (0, 0)
+
+
+async def test_without_simulated_time_nothing_queues() -> None:
+    engine = _engine(LatencyModel.fast())
+    done: list[str] = []
+    await asyncio.gather(*(_first_token(engine, prompt, done) for prompt in (LONG, SHORT)))
+    assert sorted(done) == ["alpha", "omega"] and engine.compute.waiting == 0
+
+
+async def test_a_cancelled_prompt_leaves_the_line_to_the_next() -> None:
+    line = ComputeLine()
+    order: list[str] = []
+
+    async def compute(name: str, seconds: float) -> None:
+        await line.run(seconds)
+        order.append(name)
+
+    first = asyncio.create_task(compute("first", 0.05))
+    await asyncio.sleep(0)
+    gone = asyncio.create_task(compute("gone", 10.0))
+    last = asyncio.create_task(compute("last", 0.01))
+    await asyncio.sleep(0)
+    assert line.waiting == 2
+    gone.cancel()  # its client left while it waited: it computes nothing
+    await asyncio.wait_for(asyncio.gather(first, last), 5)
+    assert order == ["first", "last"] and line.waiting == 0
+    assert gone.cancelled()

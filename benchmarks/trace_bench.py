@@ -7,8 +7,9 @@ Per router (pdgate's `local`, `global`, `global-precise`, `global-slo` policies;
 Router `cache_aware` and `round_robin`): a fresh Mooncake master and G PD groups whose
 prefill engines read prefix blocks from the Mooncake Store (`--store-prefix-cache`; not
 for `local`, Mooncake's "local cache-aware" baseline, where a prefix is reused only on
-the engine that computed it), serve one
-prefill at a time (`--max-num-seqs 1`, compute-bound) and hold `--trace-cache-share`
+the engine that computed it), compute one
+prompt at a time (`engine_sim.compute`; a store read waits beside that line, as vLLM's
+KV connector loads before the request is scheduled) and hold `--trace-cache-share`
 (default 15%) of the window's distinct prompt tokens in their own KV cache: how much of
 the reuse `local` can keep without the pool depends on it. KV moves at the simulator's MLA
 bytes per token over 12.5 GB/s; the store carries 64-byte proofs per block.
@@ -243,8 +244,7 @@ def shape_for(window: TraceWindow, config: TraceBenchConfig) -> tuple[ClusterSha
     common = ("--prefill-per-token-ms", f"{per_token_s * 1e3:.6g}", "--itl-ms", "5",
               "--kv-block-bytes", "64", "--max-model-len", "262144", "--max-waiting", "4096",
               "--kv-capacity-blocks", "65536")
-    prefill = ("--store-prefix-cache", "--max-num-seqs", "1",
-               "--kv-capacity-blocks", str(capacity))
+    prefill = ("--store-prefix-cache", "--kv-capacity-blocks", str(capacity))
     return ClusterShape("pd", config.groups, sim_flags=common, prefill_flags=prefill), (
         per_token_s * 1e3
     )

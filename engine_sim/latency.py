@@ -53,12 +53,10 @@ class LatencyModel:
             return 0.0
         return tokens * self.kv_bytes_per_token / self.kv_bandwidth_bytes_per_s
 
-    def prefill_seconds(self, uncached_tokens: int) -> float:
-        """overhead + uncached tokens x per-token cost (on an idle pod)."""
-        return self.prefill_overhead_s + self.compute_seconds(uncached_tokens)
-
     def compute_seconds(self, uncached_tokens: int) -> float:
-        """The part of a prefill that holds the pod's compute (`compute.ComputeLine`)."""
+        """uncached tokens x per-token cost: the part of a prefill that holds the pod's
+        compute (`compute.ComputeLine`); on an idle pod a prefill takes this plus
+        `prefill_overhead_s`."""
         return max(0, uncached_tokens) * self.prefill_per_token_s
 
     def inter_token_seconds(self, running: int) -> float:

@@ -14,11 +14,11 @@ def test_latency_formulas() -> None:
     model = LatencyModel(
         prefill_overhead_s=0.01, prefill_per_token_s=0.001, itl_base_s=0.02, itl_per_running_s=0.5
     )
-    assert model.prefill_seconds(100) == pytest.approx(0.11)
-    assert model.prefill_seconds(-5) == pytest.approx(0.01)
+    assert model.compute_seconds(100) == pytest.approx(0.1)
+    assert model.compute_seconds(-5) == 0
     assert model.inter_token_seconds(4) == pytest.approx(2.02)
     fast = LatencyModel.fast()
-    assert fast.prefill_seconds(10_000) == 0 and fast.inter_token_seconds(100) == 0
+    assert fast.compute_seconds(10_000) == 0 and fast.inter_token_seconds(100) == 0
 
 
 async def test_pause_zero_returns_without_sleeping() -> None:

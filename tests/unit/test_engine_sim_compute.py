@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from engine_sim.compute import ComputeLine
 from engine_sim.config import SimConfig
 from engine_sim.engine import Engine
@@ -40,9 +42,11 @@ async def _first_token(engine: Engine, prompt: str, done: list[str]) -> None:
 
 
 def _gauges(engine: Engine) -> dict[str, float]:
-    lines = engine.metrics.render().decode().splitlines()
-    return {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in lines
-            if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting"))}
+    """The engine's running and waiting gauges, as Prometheus parses its `/metrics`."""
+    wanted = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+    return {sample.name: sample.value
+            for family in text_string_to_metric_families(engine.metrics.render().decode())
+            for sample in family.samples if sample.name in wanted}
 
 
 async def test_a_short_prompt_behind_a_long_one_waits_for_it() -> None:

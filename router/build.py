@@ -28,6 +28,7 @@ COMPILED_SOURCES: tuple[str, ...] = (
     "router/scheduling/block_index.py",
     "router/scheduling/context.py",
     "router/scheduling/filters.py",
+    "router/scheduling/inflight_prefixes.py",
     "router/scheduling/kv_events.py",
     "router/scheduling/pick.py",
     "router/scheduling/pipeline.py",

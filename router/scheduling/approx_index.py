@@ -90,6 +90,10 @@ class ApproximatePrefixIndex:
         if lru is not None:
             self._trim(key, lru)
 
+    def reported_tokens(self, key: str) -> int | None:
+        """The KV capacity pod `key`'s engine reports, in tokens (None: unknown)."""
+        return self._reported_tokens.get(key)
+
     def reconfigure(
         self,
         block_bytes: int,

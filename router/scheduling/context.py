@@ -31,6 +31,7 @@ from router.scheduling.block_hash import (
     salt_of,
 )
 from router.scheduling.fallback import PreciseFallback
+from router.scheduling.inflight_prefixes import InFlightPrefixes
 from router.scheduling.metrics import DecisionCounts
 from router.scheduling.metrics_scraper import EngineLoad, EngineMetricsStore
 from router.scheduling.pool_view import PendingWrites, PoolSettings, PoolView, pool_settings
@@ -213,6 +214,8 @@ class SchedulerDeps:
     fallback: PreciseFallback | None = None  # servers the precise scorer scores approximately
     #: Prefill seconds dispatched to each pod and predicted not yet done.
     backlog: PrefillBacklog = field(default_factory=PrefillBacklog)
+    #: Prompts the precise scorer placed whose blocks the engines have not published yet.
+    inflight_prefixes: InFlightPrefixes = field(default_factory=InFlightPrefixes)
     #: Approximate block hashes with a memo of the leading messages' blocks.
     approx_hasher: ApproximateHasher = field(default_factory=ApproximateHasher)
     #: Asks the router process that places new prompts (`router.sync`'s leader) where this
@@ -476,6 +479,7 @@ class PickContext:
         "mean_prefill_s",
         "now",
         "precise_hashes",
+        "precise_held",
         "precise_local",
         "precise_reach",
         "prefix_scale_s",
@@ -529,6 +533,9 @@ class PickContext:
         self.approx_hashes = 0
         self.precise_local: list[int] | None = None
         self.precise_reach: list[int] | None = None
+        #: precise_local plus the blocks of prompts in flight to each candidate
+        #: (`inflight_prefixes.py`): what the candidate will hold when the prompt arrives.
+        self.precise_held: list[int] | None = None
         self.precise_hashes = 0
         self.store_factor = 1.0
         # Filled by the `prefill-backlog` scorer: each candidate's predicted wait.

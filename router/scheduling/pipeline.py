@@ -231,7 +231,7 @@ def _take_report(ctx: PickContext) -> _PrefixReport:
 
 
 def _clear_report(ctx: PickContext) -> None:
-    ctx.approx_depths = ctx.precise_local = ctx.precise_reach = None
+    ctx.approx_depths = ctx.precise_local = ctx.precise_reach = ctx.precise_held = None
     ctx.compute_tokens = ctx.pull_tokens = None
 
 

@@ -387,6 +387,11 @@ class PrecisePrefixIndex:
         blocks = self._pods.get(key)
         return blocks is not None and block_hash in blocks
 
+    def block_count(self, key: str) -> int:
+        """How many blocks pod `key` holds itself (every local medium)."""
+        blocks = self._pods.get(key)
+        return 0 if blocks is None else len(blocks)
+
     def blocks_of(self, key: str) -> set[int]:
         """The engine hashes pod `key` holds."""
         return set(self._pods.get(key, ()))

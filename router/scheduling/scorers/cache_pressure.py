@@ -15,6 +15,11 @@
 - e   = seconds to get an evicted token back: the prefill curve's cost per token, or the
         pull from the server's shared KV pool when it has one and that is faster.
 
+With `precise-prefix-cache` ahead of it in the profile, the same in engine blocks: m_p
+what that scorer found (the pod's KV events, plus prompts in flight to it), U_p the blocks
+the events say the pod holds, C_p the capacity its engine reports (`vllm:cache_config_info`
+num_gpu_blocks x block_size), t the block size; exact where the approximate index guesses.
+
 ttft scale: E_max - E_min, so w x scale x (1 - s_p) = E_p - E_min: the recompute a pick
 causes beyond the least any candidate causes.
 
@@ -40,6 +45,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from router.scheduling.context import Candidates, PickContext, SchedulerDeps
+from router.scheduling.kv_events import scope_of
 from router.scheduling.scorers.base import Scorer
 
 
@@ -53,6 +59,9 @@ class CachePressureScorer(Scorer):
 
     def score(self, ctx: PickContext, cands: Candidates) -> list[float]:
         self._span_s = 0.0
+        held = ctx.precise_held
+        if held is not None and len(held) == len(cands.keys):
+            return self._precise(ctx, cands, held)
         hashes = ctx.prompt.approx_hashes()
         total = len(hashes)
         if not total:
@@ -62,11 +71,42 @@ class CachePressureScorer(Scorer):
         if depths is None or len(depths) != len(cands.keys):
             depths = approx.match(cands.keys, hashes)
         used, bounds = approx.occupancy(cands.keys)
+        return self._scores(ctx, total, depths, used, bounds, ctx.prompt.tokens_per_approx_block())
+
+    def _precise(self, ctx: PickContext, cands: Candidates, held: list[int]) -> list[float]:
+        """The same in engine blocks: m_p from `precise-prefix-cache` (events and prompts in
+        flight), U_p the blocks the pod's events say it holds, C_p its engine's reported
+        capacity; neutral while a candidate's capacity is unknown (no guess: the precise
+        index has no bound of its own to fall back on)."""
+        total = ctx.precise_hashes
+        space = self.deps.precise.space(scope_of(ctx.server))
+        block = space.block_size if space is not None else self.deps.hasher.space.block_size
+        if not total or block <= 0:
+            return [1.0] * len(held)
+        precise, approx = self.deps.precise, self.deps.approx
+        used: list[int] = []
+        bounds: list[int] = []
+        for key in cands.keys:
+            tokens = approx.reported_tokens(key)
+            if tokens is None:
+                return [1.0] * len(held)
+            used.append(precise.block_count(key))
+            bounds.append(max(1, tokens // block))
+        return self._scores(ctx, total, held, used, bounds, float(block))
+
+    def _scores(
+        self, ctx: PickContext, total: int, depths: list[int], used: list[int],
+        bounds: list[int], per_block: float,
+    ) -> list[float]:
+        """The module docstring's s_p from B (`total`), m_p, U_p and C_p in blocks of
+        `per_block` tokens."""
         least = min(used)
         evicted: list[float] = []
         for i in range(len(used)):  # indexed, not zip: this runs in every pick (compiled)
             held = used[i]
             adds = total - depths[i]
+            if adds < 0:
+                adds = 0
             after = held + adds
             bound = bounds[i]
             room = adds if adds < held - least else held - least
@@ -78,7 +118,6 @@ class CachePressureScorer(Scorer):
         low, high = min(evicted), max(evicted)
         if high - low < 1.0:  # the common case: less than a block apart (e.g. all pods full)
             return [1.0] * len(evicted)
-        per_block = ctx.prompt.tokens_per_approx_block()
         per_token = ctx.fit.coefficients.b
         costs = ctx.server_costs
         if costs.pool.enabled:

@@ -14,6 +14,9 @@
         when the ModelServer declares a pool (`pool_view.py`) and its engines publish no
         store events, the blocks its prefill pods stored (their connector writes each to
         the store), so they are not blind;
+- L_p also counts, until the engine's events for them arrive, the blocks a prompt the
+        router sent to p shares with this one (`inflight_prefixes.py`): the engine
+        publishes a block only once its prefill stored it;
 - T   = the prompt's tokens; L_p, R_p in tokens are blocks x the block size;
 - P, pull: the server's calibrated prefill curve and pool pull cost, as in `prefix-cache`
         (Mooncake's Conductor: the pool pays only when pulling beats recomputing);
@@ -69,10 +72,16 @@ class PrecisePrefixCacheScorer(Scorer):
         if not total:
             zeros = [0] * len(cands)
             ctx.precise_local, ctx.precise_reach = zeros, zeros
+            ctx.precise_held = None
             ctx.compute_tokens = None
             return [0.0] * len(cands)
         local, reach = precise.match(cands.keys, scope, hashes)
         ctx.precise_local, ctx.precise_reach = local, reach
+        soon = self._in_flight(ctx, cands, block, total)
+        if soon is not None:
+            local = [max(held, s) for held, s in zip(local, soon, strict=True)]
+            reach = [max(both, held) for both, held in zip(reach, local, strict=True)]
+        ctx.precise_held = local
         if not ctx.ttft_unit:
             return [
                 (held + factor * (both - held)) / total
@@ -85,11 +94,28 @@ class PrecisePrefixCacheScorer(Scorer):
             float(ctx.prompt.token_count()), [n * size for n in local], [n * size for n in reach]
         )
 
+    def _in_flight(
+        self, ctx: PickContext, cands: Candidates, block: int, total: int
+    ) -> list[int] | None:
+        """Per candidate, the leading blocks of the prompt a prompt still on its way into
+        that pod's cache will have stored (`inflight_prefixes.py`), in engine blocks."""
+        depths = self.deps.inflight_prefixes.depths(
+            cands.keys, ctx.prompt.approx_hashes(), ctx.now
+        )
+        if depths is None:
+            return None
+        per_block = ctx.prompt.tokens_per_approx_block() / block
+        return [min(total, int(d * per_block)) for d in depths]
+
     def scale_s(self, ctx: PickContext, cands: Candidates) -> float:
         return approximate_scale_s(ctx)
 
     def picked(self, ctx: PickContext, cands: Candidates, index: int) -> None:
         # The precise index learns what the pods (and the pool, `pool_view.py`) hold from
-        # the engines' own events: only a fallen-back server is recorded by the router.
+        # the engines' own events; until they come, the prompt is in flight to the pod.
         if self._fallen_back(ctx):
             record_approximate(ctx, cands, index, self.deps)
+            return
+        self.deps.inflight_prefixes.record(
+            cands.keys[index], ctx.prompt.approx_hashes(), ctx.ready_at, ctx.now
+        )

@@ -1,0 +1,126 @@
+"""Prompts on their way into a pod's cache: what the precise index cannot know yet.
+
+The precise index learns what a pod holds from the engine's KV events, and an engine
+publishes a block once its prefill has stored it (vLLM's `BlockStored`, sent after the
+step that computed the block). A prompt routed while an earlier one with the same prefix
+is still queued or prefilling on pod X finds nothing on X, so it is placed as a miss: on
+an idle pod, where its prefix is computed a second time and its group now occupies two
+caches. On the scheduling tests' shared-prefix workload (8 system prompts of ~1,100
+tokens, 12 questions each, 6 at a time on 3 prefill pods holding ~3.5 system prompts)
+this split groups in every run and cost 2-15 points of hit rate (0.74-0.87 of a best
+0.88). The approximate index never had the gap: it records a prompt at dispatch.
+
+So the `precise-prefix-cache` scorer records each prompt it places here, by its
+approximate block hashes (`block_hash.approximate_block_hashes`: rendered bytes, no
+tokenizer, already chained so that equal keys at a position mean an equal prefix), for
+the chosen pod, until the prefill is predicted to end plus `EVENT_GRACE_S`. A later
+prompt's in-flight depth on pod p is the longest leading run of its approximate hashes
+that one of p's live records shares; the scorer counts max(depth from events, in-flight
+depth) for p. Once the engine's events arrive they are the truth again (exact, evictions
+included), and the record lapses.
+
+Only records whose first block equals the prompt's first block are compared (a dict keyed
+by it), so a lookup costs the few prompts in flight with the same opening, whatever else
+is in flight. Bound: `MAX_RECORDS` live records (the oldest is dropped first); lapsed ones
+are dropped as new ones arrive and when a lookup meets them.
+
+Local to one router process: the other workers and replicas learn a placement through
+`router.sync` (approximate index) or, for the precise index, from the same KV events.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from typing import Final
+
+#: Bound on the prompts recorded at once (one per dispatched request until its prefill's
+#: predicted end + `EVENT_GRACE_S`: thousands only at thousands of prefills in flight).
+MAX_RECORDS: Final = 4096
+#: How long a record outlives its prefill's predicted end: the engine's KV events for the
+#: blocks (published when the step that computed them ends), the router reading them, and
+#: a prediction that was short.
+EVENT_GRACE_S: Final = 1.0
+
+
+class _Record:
+    __slots__ = ("expires", "hashes", "pod")
+
+    def __init__(self, pod: str, hashes: list[int], expires: float) -> None:
+        self.pod = pod
+        self.hashes = hashes
+        self.expires = expires
+
+
+class InFlightPrefixes:
+    """Per dispatched prompt: (pod, approximate block hashes, expiry)."""
+
+    __slots__ = ("_by_first", "_order")
+
+    def __init__(self) -> None:
+        self._by_first: dict[int, list[_Record]] = {}
+        self._order: deque[_Record] = deque()
+
+    def record(self, pod: str, hashes: list[int], ready_at: float, now: float) -> None:
+        """The prompt of `hashes` was sent to `pod`; its prefill is predicted to end at
+        `ready_at`."""
+        if not hashes:
+            return
+        self._expire(now)
+        if len(self._order) >= MAX_RECORDS:
+            self._drop(self._order.popleft())
+        rec = _Record(pod, hashes, max(ready_at, now) + EVENT_GRACE_S)
+        self._order.append(rec)
+        same = self._by_first.get(hashes[0])
+        if same is None:
+            self._by_first[hashes[0]] = [rec]
+        else:
+            same.append(rec)
+
+    def depths(self, pods: Sequence[str], hashes: list[int], now: float) -> list[int] | None:
+        """Per pod in `pods`: the leading blocks of `hashes` one of its live records
+        shares; None when no live record shares even the first block (the common case,
+        one dict lookup)."""
+        if not hashes:
+            return None
+        same = self._by_first.get(hashes[0])
+        if same is None:
+            return None
+        best: dict[str, int] = {}
+        for rec in same:
+            if rec.expires <= now:
+                continue
+            depth = _common(rec.hashes, hashes)
+            if depth > best.get(rec.pod, 0):
+                best[rec.pod] = depth
+        if not best:
+            return None
+        return [best.get(pod, 0) for pod in pods]
+
+    def _expire(self, now: float) -> None:
+        order = self._order
+        while order and order[0].expires <= now:
+            self._drop(order.popleft())
+
+    def _drop(self, rec: _Record) -> None:
+        same = self._by_first.get(rec.hashes[0])
+        if same is None:
+            return
+        if len(same) == 1:
+            del self._by_first[rec.hashes[0]]
+        else:
+            same.remove(rec)
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    """Length of the common leading run of two chained hash lists."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    i = 1  # a[0] == b[0]: both came from the same first-block bucket
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

@@ -1,0 +1,118 @@
+"""Prompts in flight to a pod, and cache pressure, under the precise index.
+
+The precise index learns a pod's blocks from its KV events, which come only once the
+prefill stored them; until then the scheduler counts the prompt as on its way into the
+chosen pod (`router.scheduling.inflight_prefixes`). `cache-pressure` reads the precise
+index's blocks and the engine's reported capacity when `precise-prefix-cache` ran.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from router.scheduling.config import parse_scheduler_config
+from router.scheduling.inflight_prefixes import EVENT_GRACE_S, MAX_RECORDS, InFlightPrefixes
+from router.scheduling.scorers import CachePressureScorer, PrecisePrefixCacheScorer
+from tests.unit.test_sched_pipeline import (
+    busy,
+    candidates,
+    computes_on,
+    context,
+    pd_server,
+    request,
+    runtime,
+)
+
+PRECISE_THEN_LOAD = parse_scheduler_config({"profiles": {"prefill": {"scorers": [
+    {"type": "precise-prefix-cache", "weight": 1.0, "storeHitFactor": 0.0},
+    {"type": "least-request", "weight": 1.0},
+]}}})  # fmt: skip
+
+
+def test_a_prompt_in_flight_counts_for_its_shared_leading_blocks_until_it_lapses() -> None:
+    table = InFlightPrefixes()
+    table.record("default/a", [1, 2, 3, 4], ready_at=10.0, now=9.0)
+    table.record("default/b", [1, 2, 9], ready_at=10.0, now=9.0)
+    assert table.depths(["default/a", "default/b", "default/c"], [1, 2, 3, 7], 9.5) == [3, 2, 0]
+    assert table.depths(["default/a"], [5, 2, 3], 9.5) is None  # another first block
+    # The engine's events have had EVENT_GRACE_S past the predicted end: they tell.
+    assert table.depths(["default/a"], [1, 2, 3], 10.0 + EVENT_GRACE_S) is None
+    table.record("default/c", [8], ready_at=20.0, now=10.0 + EVENT_GRACE_S)
+    assert len(table) == 1  # the lapsed records went as the new one came
+
+
+def test_the_table_is_bounded() -> None:
+    table = InFlightPrefixes()
+    for i in range(MAX_RECORDS + 10):
+        table.record(f"default/p{i}", [i % 7, i], ready_at=100.0, now=0.0)
+    assert len(table) == MAX_RECORDS
+    # The oldest went first: p0..p9 are gone, the newest is there.
+    depths = table.depths(["default/p0", f"default/p{MAX_RECORDS + 9}"], [0, 0], 1.0)
+    newest = table.depths([f"default/p{MAX_RECORDS + 9}"], [(MAX_RECORDS + 9) % 7,
+                                                            MAX_RECORDS + 9], 1.0)
+    assert depths is not None and depths[0] == 0
+    assert newest == [2]
+
+
+def test_a_second_prompt_follows_the_first_before_the_engine_reports_its_blocks() -> None:
+    """Two requests with one system prompt, the second sent while the first is still
+    prefilling on pod p1 (no KV event yet): it goes to p1, whose queue (one mean prefill)
+    is cheaper than computing the whole prompt on p2. The index itself still says nothing
+    is cached, and the prefix metrics count no hit it cannot see."""
+    rt = runtime(PRECISE_THEN_LOAD)
+    server = pd_server({"g1": (["p1"], ["d1"]), "g2": (["p2"], ["d2"])})
+    first = computes_on(rt, server, request("What is the capital of France?"))
+    pod = next(p for g in server.groups for p in g.prefill if p.pod_name == first)
+    busy(rt, pod, 1)
+    follow = request("And the capital of Spain?")
+    assert computes_on(rt, server, follow) == first
+    ctx = context(rt, server, follow)
+    cands = candidates(rt, [g.prefill[0] for g in server.groups])
+    PrecisePrefixCacheScorer(1.0, rt.deps, {"storeHitFactor": 0.0}).score(ctx, cands)
+    assert ctx.precise_local == [0, 0]
+    assert ctx.precise_held is not None and max(ctx.precise_held) > 32
+    assert ctx.precise_held[[c.pod_name for c in cands.pods].index(first)] == max(
+        ctx.precise_held
+    )
+    # Once the record lapses (the prefill's predicted end + the grace), only events count.
+    later = context(rt, server, follow)
+    later.now = time.monotonic() + 60.0
+    PrecisePrefixCacheScorer(1.0, rt.deps, {"storeHitFactor": 0.0}).score(later, cands)
+    assert later.precise_held == [0, 0]
+
+
+def test_cache_pressure_reads_the_precise_index_and_the_engines_capacity() -> None:
+    """Pod a holds the prompt and is full, b is full of another prompt, c has room: with
+    the precise index only b would evict to take it (the whole prompt's worth), priced at
+    the prefill curve's cost per token. Until an engine reports its capacity, neutral."""
+    rt = runtime(PRECISE_THEN_LOAD)
+    server = pd_server({"g": (["a", "b", "c"], ["d"])})
+    a, b, c = server.groups[0].prefill
+    req = request()
+    hashes = context(rt, server, req).prompt.precise_hashes()
+    total = len(hashes)
+    cap = 3 * total
+    filler = iter(range(10**6, 2 * 10**6))
+    rt.precise.stored(a.key, "default/pd", [next(filler) for _ in range(cap - total)], "GPU")
+    rt.precise.stored(a.key, "default/pd", hashes, "GPU")
+    rt.precise.stored(b.key, "default/pd", [next(filler) for _ in range(cap)], "GPU")
+    rt.precise.stored(c.key, "default/pd", [next(filler) for _ in range(cap - total)], "GPU")
+    precise = PrecisePrefixCacheScorer(1.0, rt.deps, {"storeHitFactor": 0.0})
+    pressure = CachePressureScorer(1.0, rt.deps, {})
+    cands = candidates(rt, [a, b, c])
+
+    def scores() -> tuple[list[float], float]:
+        ctx = context(rt, server, req)
+        precise.score(ctx, cands)
+        assert ctx.precise_held is not None
+        return pressure.score(ctx, cands), pressure.scale_s(ctx, cands)
+
+    assert scores() == ([1.0, 1.0, 1.0], 0.0)  # no capacity reported yet
+    for key in (a.key, b.key, c.key):
+        rt.approx.set_capacity_tokens(key, cap * 16)  # num_gpu_blocks x block_size
+    got, scale = scores()
+    assert got == [1.0, 0.0, 1.0]
+    tokens_evicted = total * 16
+    assert scale == pytest.approx(tokens_evicted * context(rt, server, req).fit.coefficients.b)

@@ -19,10 +19,11 @@ that one of p's live records shares; the scorer counts max(depth from events, in
 depth) for p. Once the engine's events arrive they are the truth again (exact, evictions
 included), and the record lapses.
 
-Only records whose first block equals the prompt's first block are compared (a dict keyed
-by it), so a lookup costs the few prompts in flight with the same opening, whatever else
-is in flight. Bound: `MAX_RECORDS` live records (the oldest is dropped first); lapsed ones
-are dropped as new ones arrive and when a lookup meets them.
+Records are kept per (first block, pod), the newest `PER_POD` of each: a lookup costs the
+candidates x `PER_POD` comparisons whatever else is in flight (at a thousand requests a
+second behind one system prompt, a thousand records would share the first block). Bound:
+`MAX_RECORDS` records in all (the oldest is dropped first); lapsed ones are dropped as new
+ones arrive and skipped by lookups.
 
 Local to one router process: the other workers and replicas learn a placement through
 `router.sync` (approximate index) or, for the precise index, from the same KV events.
@@ -37,6 +38,9 @@ from typing import Final
 #: Bound on the prompts recorded at once (one per dispatched request until its prefill's
 #: predicted end + `EVENT_GRACE_S`: thousands only at thousands of prefills in flight).
 MAX_RECORDS: Final = 4096
+#: Records kept per pod for one opening block, the newest: prompts behind one system prompt
+#: share it with all of them, and a conversation's next turn rarely leaves within a second.
+PER_POD: Final = 4
 #: How long a record outlives its prefill's predicted end: the engine's KV events for the
 #: blocks (published when the step that computed them ends), the router reading them, and
 #: a prediction that was short.
@@ -58,7 +62,7 @@ class InFlightPrefixes:
     __slots__ = ("_by_first", "_order")
 
     def __init__(self) -> None:
-        self._by_first: dict[int, list[_Record]] = {}
+        self._by_first: dict[int, dict[str, deque[_Record]]] = {}
         self._order: deque[_Record] = deque()
 
     def record(self, pod: str, hashes: list[int], ready_at: float, now: float) -> None:
@@ -71,31 +75,40 @@ class InFlightPrefixes:
             self._drop(self._order.popleft())
         rec = _Record(pod, hashes, max(ready_at, now) + EVENT_GRACE_S)
         self._order.append(rec)
-        same = self._by_first.get(hashes[0])
-        if same is None:
-            self._by_first[hashes[0]] = [rec]
-        else:
-            same.append(rec)
+        pods = self._by_first.get(hashes[0])
+        if pods is None:
+            pods = self._by_first[hashes[0]] = {}
+        recent = pods.get(pod)
+        if recent is None:
+            recent = pods[pod] = deque()
+        elif len(recent) >= PER_POD:
+            recent.popleft()  # still in `_order`, where `_drop` finds it gone already
+        recent.append(rec)
 
     def depths(self, pods: Sequence[str], hashes: list[int], now: float) -> list[int] | None:
         """Per pod in `pods`: the leading blocks of `hashes` one of its live records
-        shares; None when no live record shares even the first block (the common case,
-        one dict lookup)."""
+        shares; None when none shares even the first block (the common case, one dict
+        lookup)."""
         if not hashes:
             return None
-        same = self._by_first.get(hashes[0])
-        if same is None:
+        by_pod = self._by_first.get(hashes[0])
+        if by_pod is None:
             return None
-        best: dict[str, int] = {}
-        for rec in same:
-            if rec.expires <= now:
-                continue
-            depth = _common(rec.hashes, hashes)
-            if depth > best.get(rec.pod, 0):
-                best[rec.pod] = depth
-        if not best:
-            return None
-        return [best.get(pod, 0) for pod in pods]
+        out: list[int] = []
+        found = False
+        for pod in pods:
+            best = 0
+            recent = by_pod.get(pod)
+            if recent is not None:
+                for rec in recent:
+                    if rec.expires > now:
+                        depth = _common(rec.hashes, hashes)
+                        if depth > best:
+                            best = depth
+            out.append(best)
+            if best:
+                found = True
+        return out if found else None
 
     def _expire(self, now: float) -> None:
         order = self._order
@@ -103,13 +116,18 @@ class InFlightPrefixes:
             self._drop(order.popleft())
 
     def _drop(self, rec: _Record) -> None:
-        same = self._by_first.get(rec.hashes[0])
-        if same is None:
+        first = rec.hashes[0]
+        by_pod = self._by_first.get(first)
+        if by_pod is None:
             return
-        if len(same) == 1:
-            del self._by_first[rec.hashes[0]]
-        else:
-            same.remove(rec)
+        recent = by_pod.get(rec.pod)
+        if recent is None or rec not in recent:
+            return
+        recent.remove(rec)
+        if not recent:
+            del by_pod[rec.pod]
+            if not by_pod:
+                del self._by_first[first]
 
     def __len__(self) -> int:
         return len(self._order)
@@ -120,7 +138,7 @@ def _common(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     if a[:n] == b[:n]:
         return n
-    i = 1  # a[0] == b[0]: both came from the same first-block bucket
+    i = 0
     while i < n and a[i] == b[i]:
         i += 1
     return i

@@ -13,7 +13,12 @@ import time
 import pytest
 
 from router.scheduling.config import parse_scheduler_config
-from router.scheduling.inflight_prefixes import EVENT_GRACE_S, MAX_RECORDS, InFlightPrefixes
+from router.scheduling.inflight_prefixes import (
+    EVENT_GRACE_S,
+    MAX_RECORDS,
+    PER_POD,
+    InFlightPrefixes,
+)
 from router.scheduling.scorers import CachePressureScorer, PrecisePrefixCacheScorer
 from tests.unit.test_sched_pipeline import (
     busy,
@@ -43,17 +48,21 @@ def test_a_prompt_in_flight_counts_for_its_shared_leading_blocks_until_it_lapses
     assert len(table) == 1  # the lapsed records went as the new one came
 
 
-def test_the_table_is_bounded() -> None:
+def test_the_table_is_bounded_in_all_and_per_pod() -> None:
     table = InFlightPrefixes()
     for i in range(MAX_RECORDS + 10):
-        table.record(f"default/p{i}", [i % 7, i], ready_at=100.0, now=0.0)
+        table.record(f"default/p{i}", [7, i], ready_at=100.0, now=0.0)
     assert len(table) == MAX_RECORDS
-    # The oldest went first: p0..p9 are gone, the newest is there.
-    depths = table.depths(["default/p0", f"default/p{MAX_RECORDS + 9}"], [0, 0], 1.0)
-    newest = table.depths([f"default/p{MAX_RECORDS + 9}"], [(MAX_RECORDS + 9) % 7,
-                                                            MAX_RECORDS + 9], 1.0)
-    assert depths is not None and depths[0] == 0
-    assert newest == [2]
+    # The oldest went first: p0 is gone, the newest is there.
+    newest = f"default/p{MAX_RECORDS + 9}"
+    assert table.depths(["default/p0", newest], [7, MAX_RECORDS + 9], 1.0) == [0, 2]
+    assert table.depths(["default/p0"], [7, 0], 1.0) is None
+    # One pod keeps its newest PER_POD records of one opening block.
+    one = InFlightPrefixes()
+    for i in range(PER_POD + 2):
+        one.record("default/a", [7, i, i], ready_at=100.0, now=0.0)
+    assert one.depths(["default/a"], [7, 0, 0], 1.0) == [1]  # the first two were dropped
+    assert one.depths(["default/a"], [7, PER_POD + 1, PER_POD + 1], 1.0) == [3]
 
 
 def test_a_second_prompt_follows_the_first_before_the_engine_reports_its_blocks() -> None:

@@ -157,6 +157,9 @@ def best_hit_tokens(prompts: Sequence[Prompt], block_size: int = BLOCK_SIZE) -> 
 _GUARD_OFF: Final = {"guard": {"absolute": 0, "relative": 0}}
 _LOAD: Final = ({"type": "least-request", "weight": 1.0},
                 {"type": "queue", "weight": 0.5, "threshold": 32})  # fmt: skip
+#: As in pdgate's default prefill profile: a move is charged the cache it evicts (with the
+#: precise index, from the engines' own blocks and reported capacity).
+_PRESSURE: Final = ({"type": "cache-pressure", "weight": 1.0},)
 
 
 def _pd(prefill: Sequence[dict[str, Any]], decode: Sequence[dict[str, Any]] | None = None,
@@ -175,12 +178,12 @@ POLICIES: Final[dict[str, dict[str, Any]]] = {
     "random": _pd([{"type": "random"}], [{"type": "random"}], _GUARD_OFF),
     "round-robin": _pd([{"type": "round-robin"}], [{"type": "round-robin"}], _GUARD_OFF),
     "prefix-cache": {},
-    "precise-prefix-cache": _pd(
-        [{"type": "precise-prefix-cache", "weight": 1.0, "storeHitFactor": 0.0}, *_LOAD]
-    ),
-    "mooncake-aware": _pd(
-        [{"type": "precise-prefix-cache", "weight": 1.0, "storeHitFactor": 0.7}, *_LOAD]
-    ),
+    "precise-prefix-cache": _pd([
+        {"type": "precise-prefix-cache", "weight": 1.0, "storeHitFactor": 0.0}, *_LOAD, *_PRESSURE
+    ]),
+    "mooncake-aware": _pd([
+        {"type": "precise-prefix-cache", "weight": 1.0, "storeHitFactor": 0.7}, *_LOAD, *_PRESSURE
+    ]),
 }
 
 
@@ -195,6 +198,10 @@ def policy_document(
         "kind": "SchedulerConfig",
         "profiles": POLICIES[name] if profiles is None else profiles,
         "preciseIndex": {"enabled": precise},
+        # Told what the pods' prefill costs (`prefill_flags`), as `make bench` tells its
+        # routers: pdgate's default (0.1 ms a token) would price a cold prompt at half its
+        # time on these pods against the wait behind a busy one.
+        "costModel": {"prefillSecondsPerToken": PREFILL_MS_PER_TOKEN / 1e3},
         "reload": {"interval": "100ms"},
     }
 
@@ -606,14 +613,17 @@ def _has_content(data: bytes) -> bool:
 #: most 2 requests admitted at once (prefilled one after the other, `engine_sim.compute`: a
 #: busy pod queues), and 0.2 ms a prompt token (a 1,100-token miss: ~0.23 s; a hit: ~15 ms).
 KV_CAPACITY_BLOCKS: Final = 256
+#: The pods' prefill cost a prompt token (`--prefill-per-token-ms`), told to pdgate's
+#: cost model by `policy_document`.
+PREFILL_MS_PER_TOKEN: Final = 0.2
 
 
 def prefill_flags(capacity_blocks: int = KV_CAPACITY_BLOCKS) -> tuple[str, ...]:
     return ("--kv-capacity-blocks", str(capacity_blocks), "--max-num-seqs", "2",
-            "--prefill-per-token-ms", "0.2", "--itl-ms", "2")  # fmt: skip
+            "--prefill-per-token-ms", str(PREFILL_MS_PER_TOKEN), "--itl-ms", "2")  # fmt: skip
 
 
-DECODE_FLAGS: Final = ("--itl-ms", "2", "--prefill-per-token-ms", "0.2")
+DECODE_FLAGS: Final = ("--itl-ms", "2", "--prefill-per-token-ms", str(PREFILL_MS_PER_TOKEN))
 
 
 def _table(runs: Sequence[RunResult]) -> str:

@@ -868,6 +868,12 @@ class PipelineScheduler:
             if reach:
                 counts.hits["precise"].inc(reach)
             cached = (local + report.store_factor * (reach - local)) / report.precise_total
+        if not ctx.request.counted:
+            # A pick for another process's request: its own pick observes it. Observed here
+            # too, the leader's mean would count every process's new (cold) prompts and
+            # only its own warm ones: twice the real mean at two workers, pricing each
+            # request in flight on a warm pod at two prefills, which sent warm prompts away.
+            return
         if report.approx_depths is None and report.precise_local is None:
             # No prefix scorer: what this pod has cached is unknown, and counting the whole
             # prompt as uncached would inflate the mean prefill a later prefix-aware

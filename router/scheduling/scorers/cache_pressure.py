@@ -47,6 +47,7 @@ from typing import Any
 from router.scheduling.context import Candidates, PickContext, SchedulerDeps
 from router.scheduling.kv_events import scope_of
 from router.scheduling.scorers.base import Scorer
+from router.scheduling.scorers.precise_prefix_cache import engine_block_size
 
 
 class CachePressureScorer(Scorer):
@@ -79,8 +80,7 @@ class CachePressureScorer(Scorer):
         capacity; neutral while a candidate's capacity is unknown (no guess: the precise
         index has no bound of its own to fall back on)."""
         total = ctx.precise_hashes
-        space = self.deps.precise.space(scope_of(ctx.server))
-        block = space.block_size if space is not None else self.deps.hasher.space.block_size
+        block = engine_block_size(self.deps.precise.space(scope_of(ctx.server)), self.deps)
         if not total or block <= 0:
             return [1.0] * len(held)
         precise, approx = self.deps.precise, self.deps.approx
@@ -105,8 +105,6 @@ class CachePressureScorer(Scorer):
         for i in range(len(used)):  # indexed, not zip: this runs in every pick (compiled)
             held = used[i]
             adds = total - depths[i]
-            if adds < 0:
-                adds = 0
             after = held + adds
             bound = bounds[i]
             room = adds if adds < held - least else held - least

@@ -38,7 +38,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from router.scheduling.context import Candidates, PickContext
+from router.kvhash.keyspace import KeySpace
+from router.scheduling.context import Candidates, PickContext, SchedulerDeps
 from router.scheduling.kv_events import scope_of
 from router.scheduling.scorers.base import Param, Scorer
 from router.scheduling.scorers.prefix_cache import (
@@ -46,6 +47,12 @@ from router.scheduling.scorers.prefix_cache import (
     approximate_scores,
     record_approximate,
 )
+
+
+def engine_block_size(space: KeySpace | None, deps: SchedulerDeps) -> int:
+    """Tokens per engine block in a server's key space (`PrecisePrefixIndex.space`), the
+    hasher's default before the server has one: what the precise blocks are counted in."""
+    return space.block_size if space is not None else deps.hasher.space.block_size
 
 
 class PrecisePrefixCacheScorer(Scorer):
@@ -64,7 +71,7 @@ class PrecisePrefixCacheScorer(Scorer):
         precise = self.deps.precise
         space = precise.space(scope)
         hashes = ctx.prompt.leading_hashes(space, precise.known(scope))
-        block = space.block_size if space is not None else self.deps.hasher.space.block_size
+        block = engine_block_size(space, self.deps)
         total = max(len(hashes), ctx.prompt.token_count() // block)
         factor: float = self.params["storeHitFactor"]
         ctx.precise_hashes = total

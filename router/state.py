@@ -79,7 +79,8 @@ class AppState:
             retry_budget=self.resilience.retry_budget, tracing=self.tracing,
         )
         self.sync = None if config.sync is None else SyncNode(
-            config.sync, inflight=self.inflight, outliers=self.resilience.outliers,
+            config.sync, inflight=self.inflight, backlog=self.scheduler_runtime.deps.backlog,
+            outliers=self.resilience.outliers,
             approx=self.scheduler_runtime.approx, engines=self.scheduler_runtime.engines,
             scraper=self.scheduler_runtime.scraper, view=self.view, registry=self.registry,
         )

@@ -780,7 +780,9 @@ class PipelineScheduler:
         def commit() -> None:
             ctx.role = "prefill"
             self._dispatched(ctx, pre_profile, pre, pi, report)
-            if ticket is not None:
+            if ticket is not None and ctx.request.counted:
+                # (A pick for another process's request joins that process's backlog,
+                # which it reports when it dispatches: `router.sync`.)
                 ticket.dispatch()
             ctx.role = "decode"
             for scorer in dec_profile.recorders:

@@ -146,6 +146,8 @@ class SchedulerRuntime:
             ),
             fallback=self.fallback,
         )
+        #: The scheduler's clock (seconds): what its backlog and TTFT predictions count in.
+        self.clock = clock
         self.scheduler = PipelineScheduler(config, self.deps, self.metrics, clock)
         self.scraper = MetricsScraper(
             self.engines, self.metrics, _scrape_settings(config),

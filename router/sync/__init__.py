@@ -1,7 +1,8 @@
 """One view of load and cache across router processes: workers of a host, replicas.
 
 Every router process ("origin": a host id and a worker index) publishes the decisions
-that change what another process should see: its in-flight count per pod, the prompt
+that change what another process should see: its in-flight count per pod (and with it
+the seconds of prefill it sent there and predicts are not done), the prompt
 block hashes it sent to a pod (the approximate prefix index), pods it ejected or
 readmitted, and (worker 0 only) the engines' scraped `/metrics`. The others apply them.
 Where a prompt no pod holds starts is decided by one process, the leader (the lowest live

@@ -6,7 +6,9 @@
 some (ZMQ PUB drops at its high-water mark rather than block): `dropped` in the metrics.
 A frame batches every message one event-loop turn produced. Messages, tagged by kind:
 
-    (INFLIGHT, pod, count)            the origin now has `count` requests on `pod`
+    (INFLIGHT, pod, count, backlog_s) the origin now has `count` requests on `pod`, and
+                                      `backlog_s` seconds of prefill it sent there that
+                                      it predicts are not done (`PrefillBacklog`)
     (ROUTE, pod, [hash, ...])         the origin sent a prompt with these approximate
                                       block hashes to `pod` (approximate prefix index)
     (EJECT, pod, backoff_s)           the origin ejected `pod` for `backoff_s` (0: readmitted)

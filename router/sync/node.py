@@ -74,6 +74,7 @@ from prometheus_client import CollectorRegistry
 from router.load import InFlight
 from router.resilience.ejection import OutlierDetector
 from router.scheduling.approx_index import ApproximatePrefixIndex
+from router.scheduling.backlog import PrefillBacklog
 from router.scheduling.metrics_scraper import EngineLoad, EngineMetricsStore, MetricsScraper
 from router.sync import messages as m
 from router.sync.config import SyncConfig
@@ -121,6 +122,7 @@ class SyncNode:
         config: SyncConfig,
         *,
         inflight: InFlight,
+        backlog: PrefillBacklog,
         outliers: OutlierDetector,
         approx: ApproximatePrefixIndex,
         engines: EngineMetricsStore,
@@ -133,6 +135,7 @@ class SyncNode:
         self.config = config
         self.origin = config.origin
         self.inflight = inflight
+        self.backlog = backlog
         self.outliers = outliers
         self.approx = approx
         self.engines = engines
@@ -161,6 +164,7 @@ class SyncNode:
         #: Places another process's new prompt when this one leads (set by the app).
         self.placer: Placer | None = None
         inflight.listener = self._on_inflight
+        backlog.listener = self._on_backlog
         approx.listener = self._on_route
         outliers.listener = self._on_eject
         if config.workers > 1:
@@ -185,6 +189,12 @@ class SyncNode:
         Every other change waits for the window."""
         self._pending_inflight[key] = count
         self._schedule(soon=rose and count == 1)
+
+    def _on_backlog(self, key: str) -> None:
+        """This process's prefill backlog on a pod changed (a dispatch, or a prefill's
+        end correcting it): it goes out with the pod's count, in the window."""
+        self._pending_inflight[key] = self.inflight.local(key)
+        self._schedule()
 
     def _on_route(self, key: str, hashes: Sequence[int]) -> None:
         self._queue(self._pending, (m.ROUTE, key, list(hashes)), soon=True)
@@ -224,7 +234,9 @@ class SyncNode:
             self._timer = None
         if self._pending or self._pending_inflight:
             batch = self._pending
-            batch.extend((m.INFLIGHT, k, c) for k, c in self._pending_inflight.items())
+            wait, now = self.backlog.own_wait_s, self._clock()
+            batch.extend((m.INFLIGHT, k, c, wait(k, now))
+                         for k, c in self._pending_inflight.items())
             self._pending = []
             self._pending_inflight = {}
             self._send_batch(batch, host_only=False)
@@ -389,7 +401,7 @@ class SyncNode:
         else:
             if seq != UNSEQUENCED:
                 if seq <= peer.seq:  # the origin restarted: what it said before is void
-                    self.inflight.drop_origin(origin)
+                    self._drop_state(origin)
                 elif seq > peer.seq + 1:
                     self.metrics.message["dropped"].inc(seq - peer.seq - 1)
                 peer.seq = seq
@@ -399,14 +411,16 @@ class SyncNode:
                 log.warning("sync: peer %s is back", origin)
         same_host = host_id == self.config.host_id
         for message in batch:
-            self._apply_one(origin, same_host, message)
+            self._apply_one(origin, same_host, message, now)
         self.metrics.message["received"].inc(len(batch))
         return seq
 
-    def _apply_one(self, origin: str, same_host: bool, message: list[Any]) -> None:
+    def _apply_one(self, origin: str, same_host: bool, message: list[Any], now: float) -> None:
         kind = message[0]
         if kind == m.INFLIGHT:
             self.inflight.set_remote(origin, message[1], int(message[2]))
+            if len(message) > 3:
+                self.backlog.set_remote(origin, message[1], float(message[3]), now)
         elif kind == m.ROUTE:
             if message[1] in self._endpoints:
                 self.approx.apply_remote(message[1], message[2])
@@ -441,9 +455,14 @@ class SyncNode:
             self._forget(victim)
         self._peers[origin] = peer
 
+    def _drop_state(self, origin: str) -> None:
+        """What `origin` reported no longer weighs on any pod (lost, restarted, forgotten)."""
+        self.inflight.drop_origin(origin)
+        self.backlog.drop_origin(origin)
+
     def _forget(self, origin: str) -> None:
         self._peers.pop(origin, None)
-        self.inflight.drop_origin(origin)
+        self._drop_state(origin)
         with contextlib.suppress(KeyError):
             self.metrics.last_heard.remove(origin)
 
@@ -455,7 +474,7 @@ class SyncNode:
             age = now - peer.last_heard
             if peer.live and age > self.config.ttl_s:
                 peer.live = False
-                self.inflight.drop_origin(origin)
+                self._drop_state(origin)
                 log.warning("sync: peer %s lost (silent %.2f s); its in-flight counts expire",
                             origin, age)
             if peer.live:

@@ -17,6 +17,7 @@ from router.load import InFlight
 from router.resilience.config import ResilienceConfig
 from router.resilience.ejection import OutlierDetector
 from router.scheduling.approx_index import ApproximatePrefixIndex
+from router.scheduling.backlog import PrefillBacklog
 from router.scheduling.metrics import SchedulerMetrics
 from router.scheduling.metrics_scraper import EngineMetricsStore, MetricsScraper
 from router.sync import SyncConfig, SyncNode
@@ -39,7 +40,7 @@ class Process:
         self.approx = ApproximatePrefixIndex()
         engines = EngineMetricsStore()
         self.node = SyncNode(
-            config, inflight=self.inflight,
+            config, inflight=self.inflight, backlog=PrefillBacklog(),
             outliers=OutlierDetector(ResilienceConfig()), approx=self.approx,
             engines=engines, scraper=MetricsScraper(engines, SchedulerMetrics(registry)),
             view=ClusterView(), registry=registry,

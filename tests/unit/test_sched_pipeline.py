@@ -362,7 +362,8 @@ def test_a_pick_made_for_a_peer_is_recorded_but_not_counted() -> None:
     prompt in the index like any pick, so the next request for it goes to the same pod,
     but neither shares that record nor counts the pick: the asker's own pick does both
     (a sum over processes counts the request once, and the asker does not see its own new
-    prompt as cached before it sends it), nor observes it in the mean prefill."""
+    prompt as cached before it sends it), nor observes it in the mean prefill or queues
+    its prefill in this process's backlog (the asker reports its own backlog)."""
     rt = runtime()
     server = pd_server({f"g{i}": ([f"p{i}"], [f"d{i}"]) for i in range(3)})
     registry = rt.metrics.registry
@@ -383,9 +384,11 @@ def test_a_pick_made_for_a_peer_is_recorded_but_not_counted() -> None:
     assert counted() == [0.0, 0.0, 0.0]
     # Nor does it move this process's mean prefill (the asker's pick observes the request).
     assert rt.deps.estimator.mean_uncached_tokens == mean
+    assert rt.deps.backlog.wait_s(f"default/{placed}", rt.clock()) == 0.0
     assert shared == []  # the asker shares its own record when it sends the request
     own = request(system="Tenant 1 system prompt. " * 90, question="And of Spain?")
     assert computes_on(rt, server, own) == placed  # the peer's pick is in the index
+    assert rt.deps.backlog.wait_s(f"default/{placed}", rt.clock()) > 0.0
     after = counted()
     assert after[0] == 1 and after[1] > 0, after
     assert shared == [f"default/{placed}"]

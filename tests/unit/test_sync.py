@@ -17,6 +17,7 @@ from router.load import InFlight
 from router.resilience.config import ResilienceConfig
 from router.resilience.ejection import OutlierDetector
 from router.scheduling.approx_index import ApproximatePrefixIndex
+from router.scheduling.backlog import PrefillBacklog
 from router.scheduling.metrics import SchedulerMetrics
 from router.scheduling.metrics_scraper import EngineMetricsStore, MetricsScraper
 from router.sync import SyncConfig, SyncNode
@@ -46,12 +47,14 @@ class Node:
     def __init__(self, worker: int, clock: Clock) -> None:
         self.registry = registry = CollectorRegistry()
         self.inflight = InFlight(registry)
+        self.backlog = PrefillBacklog()
         self.outliers = OutlierDetector(ResilienceConfig(), clock=clock)
         self.approx = ApproximatePrefixIndex()
         self.engines = EngineMetricsStore()
         scraper = MetricsScraper(self.engines, SchedulerMetrics(registry))
         self.node = SyncNode(
             SyncConfig(host_id="h", worker=worker, workers=2), inflight=self.inflight,
+            backlog=self.backlog,
             outliers=self.outliers, approx=self.approx, engines=self.engines,
             scraper=scraper, view=ClusterView(), registry=registry, clock=clock,
         )
@@ -145,6 +148,36 @@ async def test_a_pick_sends_what_waits_for_the_window(pair: tuple[Node, Node, Cl
     for frame in one.frames:
         two.node.apply(frame)
     assert two.inflight.get(POD_A) == 0
+
+
+def test_prefill_backlogs_are_the_sum_of_every_process(pair: tuple[Node, Node, Clock]) -> None:
+    """Each process reports the prefill seconds it sent to a pod and predicts are not done;
+    a peer's part runs down with the clock, follows the sender's corrections, and stops
+    weighing when the sender is lost."""
+    one, two, clock = pair
+    key = POD_A.key
+    ticket = one.backlog.dispatch(key, 0.5, clock.now, idle=True)
+    one.inflight.acquire(POD_A)
+    one.deliver_to(two)
+    assert two.backlog.wait_s(key, clock.now) == pytest.approx(0.5)
+    assert two.backlog.own_wait_s(key, clock.now) == 0.0  # not reported back as its own
+    two.backlog.dispatch(key, 0.25, clock.now, idle=False)
+    two.deliver_to(one)
+    assert one.backlog.wait_s(key, clock.now) == pytest.approx(0.75)
+    clock.now += 0.1
+    assert two.backlog.wait_s(key, clock.now) == pytest.approx(0.4 + 0.15)
+    # One's prefill ended at once, far sooner than predicted: the peer hears its part is 0.
+    one.backlog.finished(key, ticket, clock.now)
+    one.inflight.release(POD_A)
+    one.deliver_to(two)
+    assert two.backlog.wait_s(key, clock.now) == pytest.approx(0.15)
+    # A lost sender's backlog stops weighing at once.
+    one.backlog.dispatch(key, 5.0, clock.now, idle=True)
+    one.deliver_to(two)
+    assert two.backlog.wait_s(key, clock.now) == pytest.approx(5.15)
+    clock.now += two.node.config.ttl_s + 0.01
+    two.node.expire()
+    assert two.backlog.wait_s(key, clock.now) == 0.0
 
 
 def test_a_lost_message_is_repaired_by_the_heartbeat(pair: tuple[Node, Node, Clock]) -> None:
@@ -380,7 +413,8 @@ class Worker:
             SyncConfig(host_id="h", worker=worker, workers=2, run_dir=str(run_dir),
                        catch_up_s=catch_up_s, heartbeat_s=36000.0, ttl_s=72000.0,
                        flush_interval_s=flush_interval_s),
-            inflight=self.inflight, outliers=OutlierDetector(ResilienceConfig()),
+            inflight=self.inflight, backlog=PrefillBacklog(),
+            outliers=OutlierDetector(ResilienceConfig()),
             approx=self.approx, engines=engines,
             scraper=MetricsScraper(engines, SchedulerMetrics(registry)), view=ClusterView(),
             registry=registry,

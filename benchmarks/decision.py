@@ -156,8 +156,9 @@ def precise_config() -> SchedulerConfig:
             "prefill": {
                 "scorers": [
                     {"type": "precise-prefix-cache", "weight": 1.0},
-                    {"type": "least-request", "weight": 1.0},
+                    {"type": "prefill-backlog", "weight": 1.0},
                     {"type": "queue", "weight": 0.5},
+                    {"type": "cache-pressure", "weight": 1.0},
                 ],
             },
         },

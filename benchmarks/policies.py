@@ -36,7 +36,8 @@ _SESSION: Final = (
 )
 
 #: name -> the `profiles` section of its scheduler config ("" = pdgate's default profiles:
-#: prefix-cache + least-request + queue for prefill, load and KV headroom for decode).
+#: prefix-cache + prefill-backlog + queue + cache-pressure for prefill, load and KV headroom
+#: for decode).
 PDGATE_POLICIES: Final[dict[str, str]] = {
     "prefix-cache": "",
     "least-request": _LEAST_REQUEST,

@@ -155,7 +155,9 @@ def best_hit_tokens(prompts: Sequence[Prompt], block_size: int = BLOCK_SIZE) -> 
 # -- policies -------------------------------------------------------------------------------------
 
 _GUARD_OFF: Final = {"guard": {"absolute": 0, "relative": 0}}
-_LOAD: Final = ({"type": "least-request", "weight": 1.0},
+#: As in pdgate's default prefill profile: the predicted seconds of prefill queued on a pod
+#: and the engine's waiting queue.
+_LOAD: Final = ({"type": "prefill-backlog", "weight": 1.0},
                 {"type": "queue", "weight": 0.5, "threshold": 32})  # fmt: skip
 #: As in pdgate's default prefill profile: a move is charged the cache it evicts (with the
 #: precise index, from the engines' own blocks and reported capacity).

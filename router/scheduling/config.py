@@ -8,7 +8,7 @@
         filters: [ready, not-ejected, {type: not-saturated, maxWaiting: 32}]
         scorers:
           - {type: prefix-cache, weight: 1.0}
-          - {type: least-request, weight: 1.0}
+          - {type: prefill-backlog, weight: 1.0}
           - {type: queue, weight: 0.5, threshold: 32}
           - {type: cache-pressure, weight: 1.0}
         picker: {tieTolerance: 0.05, cacheSimilarity: 0.1,
@@ -216,7 +216,7 @@ DEFAULT_PROFILES: Final[Mapping[str, ProfileConfig]] = {
         filters=_FILTERS_DEFAULT,
         scorers=(
             component("scorer", "prefix-cache", 1.0),
-            component("scorer", "least-request", 1.0),
+            component("scorer", "prefill-backlog", 1.0),
             component("scorer", "queue", 0.5),
             component("scorer", "cache-pressure", 1.0),
         ),

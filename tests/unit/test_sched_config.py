@@ -32,7 +32,7 @@ def test_defaults_without_a_file() -> None:
     config = load_scheduler_config(None)
     assert config == SchedulerConfig()
     assert [s.type for s in config.profile("prefill").scorers] == [
-        "prefix-cache", "least-request", "queue", "cache-pressure"]
+        "prefix-cache", "prefill-backlog", "queue", "cache-pressure"]
     assert [s.type for s in config.profile("decode").scorers] == [
         "least-request", "queue", "kv-cache-usage"]
     assert config.profile("aggregated") == DEFAULT_PROFILES["aggregated"]

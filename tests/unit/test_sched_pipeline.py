@@ -105,9 +105,17 @@ def candidates(rt: SchedulerRuntime, pods: list[Endpoint]) -> Candidates:
     return Candidates.read(pods, [p.key for p in pods], rt.deps, time.monotonic())
 
 
+#: One request's predicted prefill in `busy` (a short prompt at the seed cost).
+QUEUED_PREFILL_S = 0.05
+
+
 def busy(rt: SchedulerRuntime, endpoint: Endpoint, count: int) -> None:
+    """`count` requests in flight on `endpoint`, as the router's own dispatches leave
+    them: counted, and on a prefill pod their prefills queued in the router's backlog."""
     for _ in range(count):
         rt.deps.inflight.acquire(endpoint)
+        if endpoint.role == "prefill":
+            rt.deps.backlog.dispatch(endpoint.key, QUEUED_PREFILL_S, rt.clock(), idle=False)
 
 
 def bound(rt: SchedulerRuntime, key: str, blocks: int) -> None:

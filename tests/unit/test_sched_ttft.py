@@ -235,8 +235,7 @@ def test_a_declared_pool_is_known_from_dispatches_without_store_events() -> None
     assert rt.pools.total_blocks > 0  # the prompt is in the pool now
     # The warm pod is busy: the other one can pull the prompt from the pool instead of
     # recomputing it, so it wins, and the cost model says it computes nothing.
-    for _ in range(3):
-        rt.deps.inflight.acquire(first.prefill)
+    _queue_on(rt, first.prefill, 3)
     second = rt.scheduler.pick(server, _request(), frozenset())
     assert second is not None and second.prefill is not None
     assert second.prefill.key != first.prefill.key
@@ -276,12 +275,33 @@ def _slo_runtime(action: str = "reject") -> tuple[SchedulerRuntime, CollectorReg
     }}))
 
 
-def _busy(rt: SchedulerRuntime, server: ServerPods, count: int) -> list[Endpoint]:
-    pods = [p for g in server.groups for p in g.prefill]
-    for p in pods:
-        for _ in range(count):
-            rt.deps.inflight.acquire(p)
-    return pods
+#: One queued request's predicted prefill in `_queue_on` (a short prompt at the seed cost).
+QUEUED_PREFILL_S = 0.05
+
+Held = list[tuple[Endpoint, float]]
+
+
+def _queue_on(rt: SchedulerRuntime, pod: Endpoint, count: int) -> Held:
+    """`count` requests in flight on `pod`, their prefills queued in the router's backlog,
+    as the router's own dispatches leave them (in-flight count and backlog tickets)."""
+    held: Held = []
+    for _ in range(count):
+        rt.deps.inflight.acquire(pod)
+        held.append((pod, rt.deps.backlog.dispatch(pod.key, QUEUED_PREFILL_S, rt.clock(),
+                                                   idle=False)))
+    return held
+
+
+def _busy(rt: SchedulerRuntime, server: ServerPods, count: int) -> Held:
+    """`_queue_on` every prefill pod of `server`."""
+    return [h for g in server.groups for p in g.prefill for h in _queue_on(rt, p, count)]
+
+
+def _drain(rt: SchedulerRuntime, held: Held) -> None:
+    """The requests `_queue_on` sent are done: released, their prefills finished now."""
+    for pod, ticket in held:
+        rt.deps.inflight.release(pod)
+        rt.deps.backlog.finished(pod.key, ticket, rt.clock())
 
 
 def test_slo_gate_rejects_with_retry_after_and_dispatches_nothing() -> None:
@@ -316,14 +336,12 @@ def test_slo_gate_is_off_by_default() -> None:
 async def test_slo_queue_action_waits_until_the_prediction_fits() -> None:
     rt, registry = _slo_runtime("queue")
     server = _server({})
-    pods = _busy(rt, server, 200)
+    held = _busy(rt, server, 200)
     req = _request()
 
     async def drain() -> None:
         await asyncio.sleep(0.1)
-        for p in pods:
-            for _ in range(200):
-                rt.deps.inflight.release(p)
+        _drain(rt, held)
 
     task = asyncio.create_task(drain())
     began = time.monotonic()

@@ -497,8 +497,10 @@ class Proxy:
                 handoff = await attempt.connector.start(
                     self._pd_call(attempt, pick, headers), self.upstream
                 )
-            except UpstreamError as exc:
-                if tracing is not None:
+            except BaseException as exc:  # an error, or the request was cancelled
+                if pick.on_prefill_failed is not None:
+                    pick.on_prefill_failed()  # the pod's backlog drops this prefill
+                if tracing is not None and isinstance(exc, UpstreamError):
                     tracing.fail(span, exc.reason)
                 raise
             finally:

@@ -24,6 +24,10 @@ class Pick:
 
     `on_prefill`: call it with the measured prefill duration (seconds, sequential PD: from
     sending prefill to its KV handle) so that the scheduler's TTFT model calibrates.
+    `on_prefill_failed`: call it when the prefill ends without a KV handle (an error, a
+    cancelled request: the engine aborts it), so that the pod's predicted backlog drops it
+    at once instead of keeping it until its predicted end (the pod would look busy to
+    every router, and a failing pod would be tried too rarely to be ejected).
     """
 
     def __init__(
@@ -33,12 +37,14 @@ class Pick:
         decode_cost: float | None = None,
         prefill_cost: float | None = None,
         on_prefill: Callable[[float], None] | None = None,
+        on_prefill_failed: Callable[[], None] | None = None,
     ) -> None:
         self.decode: Final = decode
         self.prefill: Final = prefill
         self.decode_cost: Final = decode_cost
         self.prefill_cost: Final = prefill_cost
         self.on_prefill: Final = on_prefill
+        self.on_prefill_failed: Final = on_prefill_failed
 
     @property
     def endpoints(self) -> tuple[Endpoint, ...]:

@@ -307,6 +307,10 @@ class _PrefillTicket:
         """The request goes to the pod: its service joins the pod's backlog."""
         self._end = self._backlog.dispatch(self._key, self._service_s, self._sent, self._idle)
 
+    def failed(self) -> None:
+        """The prefill ended now without a KV handle: the pod is no longer busy with it."""
+        self._backlog.finished(self._key, self._end, self._clock())
+
     def done(self, seconds: float) -> None:
         """The prefill took `seconds` (from sending it to its KV handle)."""
         self._backlog.finished(self._key, self._end, self._clock())
@@ -797,7 +801,8 @@ class PipelineScheduler:
 
         pick = Pick(decode=dec.pods[di], prefill=pre.pods[pi], decode_cost=dec_costs[di],
                     prefill_cost=pre_costs[pi],
-                    on_prefill=None if ticket is None else ticket.done)
+                    on_prefill=None if ticket is None else ticket.done,
+                    on_prefill_failed=None if ticket is None else ticket.failed)
         return _Decision(pick, predicted, commit, idle)
 
     def _prefill_ticket(

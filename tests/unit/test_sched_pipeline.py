@@ -365,6 +365,22 @@ async def test_a_new_prompt_is_sent_where_the_leader_placed_it() -> None:
     assert computes_on(rt, server, ejected) != "p2"
 
 
+def test_a_failed_prefill_leaves_no_backlog() -> None:
+    """A prefill that ends without a KV handle (an error, a cancelled request) leaves the
+    pod's predicted backlog at once: kept until its predicted end, it would price a pod
+    that is idle as busy (and keep a failing pod from being tried often enough to be
+    ejected)."""
+    rt = runtime()
+    server = pd_server({"g0": (["p0"], ["d0"]), "g1": (["p1"], ["d1"])})
+    pick = rt.scheduler.pick(server, request(system="Tenant 5 prompt. " * 90), frozenset())
+    assert pick is not None and pick.prefill is not None
+    assert pick.on_prefill_failed is not None
+    backlog, key = rt.deps.backlog, pick.prefill.key
+    assert backlog.wait_s(key, rt.clock()) > 0
+    pick.on_prefill_failed()
+    assert backlog.wait_s(key, rt.clock()) == 0
+
+
 def test_a_pick_made_for_a_peer_is_recorded_but_not_counted() -> None:
     """The leader's pick for another process's request (`counted=False`) records the
     prompt in the index like any pick, so the next request for it goes to the same pod,

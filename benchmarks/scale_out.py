@@ -32,7 +32,9 @@ possible, TTFT p50/p90, router CPU per request, errors, and the prompts computed
 than one prefill pod (a shared-prefix system prompt, a multi-round chat: each such prompt
 was computed again, a miss one process seldom has), with 2 replicas also how many of them
 the two routers' first requests already sent to different pods (from the pods pdgate
-names in its response headers). Then, unless `--no-fast`,
+names in its response headers); each multi-router run's line also gives the new prompts
+the processes asked the leader to place, by outcome (`pdgate_sync_placements_total`: an
+ask not answered in time is placed where it arrived). Then, unless `--no-fast`,
 throughput with `--fast` pods and tiny prompts (the router is the bottleneck): requests
 per second and CPU per request of each setup, and their ratio to one process. And the
 same tiny requests open loop at `--fixed-rate` (a rate no setup is saturated at): CPU per
@@ -62,6 +64,7 @@ from typing import Final
 import aiohttp
 import orjson
 import psutil
+from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.cluster import MODEL as FAST_MODEL
 from benchmarks.cluster import ClusterShape, SimCluster
@@ -294,6 +297,38 @@ async def wait_peers(routers: Routers) -> None:
         await asyncio.sleep(0.2)
 
 
+def placed_text(placed: Counter[str]) -> str:
+    """The placements of a run for its line, e.g. "[placed 4 answered, 1 timeout] "
+    (nothing for a setup whose processes asked none)."""
+    asked = {k: v for k, v in sorted(placed.items()) if k != "served" and v}
+    if not asked:
+        return ""
+    return "[placed " + ", ".join(f"{v} {k}" for k, v in asked.items()) + "] "
+
+
+def placement_counts(exposition: str) -> Counter[str]:
+    """`pdgate_sync_placements_total` summed by outcome over the samples of one `/metrics`
+    exposition (with `--workers N`, every worker's): new prompts the leader placed for
+    another process ("served"), and at the asker "answered", "none" or "timeout" (placed
+    where it arrived)."""
+    counts: Counter[str] = Counter()
+    for family in text_string_to_metric_families(exposition):
+        if family.name == "pdgate_sync_placements":
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    counts[sample.labels["outcome"]] += int(sample.value)
+    return counts
+
+
+async def placements(routers: Routers) -> Counter[str]:
+    """`placement_counts` summed over the setup's URLs (none for one process)."""
+    total: Counter[str] = Counter()
+    for url, pool in zip(routers.urls, routers.pools, strict=True):
+        async with pool.get(f"{url}/metrics") as response:
+            total += placement_counts(await response.text())
+    return total
+
+
 async def settle(routers: Routers) -> float:
     """Wait until the routers go quiet; the seconds it took."""
     started = time.monotonic()
@@ -329,9 +364,12 @@ class Run:
     splits: Splits = Splits(0, 0, 0)
     #: Voluntary context switches of the router processes (the fixed-rate part).
     wakeups: int = 0
+    #: New-prompt placements by outcome (`placement_counts`) during the run.
+    placed: Counter[str] = field(default_factory=Counter)
 
     def add(self, other: Run) -> None:
         self.splits += other.splits
+        self.placed += other.placed
         self.wakeups += other.wakeups
         self.idle_cpu_s += other.idle_cpu_s
         self.results += other.results
@@ -434,14 +472,16 @@ async def measure(
     salt: str, concurrency: int,
 ) -> Run:
     hits0, queries0, _ = await cluster.prefix_counters()
-    placements: list[Placement] = []
-    results, seconds, cpu = await send(routers, sessions, salt, concurrency,
-                                       placements=placements)
+    placed0 = await placements(routers)
+    where: list[Placement] = []
+    results, seconds, cpu = await send(routers, sessions, salt, concurrency, placements=where)
     hits1, queries1, _ = await cluster.prefix_counters()
+    placed = await placements(routers)
+    placed.subtract(placed0)
     best_hits, best_total = best_hit_tokens([p for s in sessions for p in s])
     return Run(routers.setup, workload, results, hits1 - hits0, queries1 - queries0,
                best_hits, best_total, cpu, seconds,
-               splits=split_prompts(placements, len(routers.urls)))
+               splits=split_prompts(where, len(routers.urls)), placed=+placed)
 
 
 def workloads(args: argparse.Namespace) -> dict[str, list[Session]]:
@@ -498,7 +538,8 @@ async def bench_workloads(args: argparse.Namespace, workdir: Path) -> dict[tuple
                               f"{1e3 * run.ttft(0.9):.0f} ms, CPU "
                               f"{1e3 * run.cpu_per_request:.2f} ms/request, {run.errors} errors, "
                               f"{split_text(run.splits)} prompts on 2+ pods "
-                              f"(quiet after {quiet:.1f} s)", flush=True)
+                              f"{placed_text(run.placed)}(quiet after {quiet:.1f} s)",
+                              flush=True)
                         await settle(routers)
                 finally:
                     await stop_routers(routers)

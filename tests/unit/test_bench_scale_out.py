@@ -1,6 +1,7 @@
 """`benchmarks.scale_out`: the open loop of its fixed-rate part (`send_at_rate`, against
 two loopback SSE servers standing in for two router URLs), the count of prompts computed
-on more than one prefill pod, and its tables' ratios."""
+on more than one prefill pod, the new-prompt placements read from the routers' metrics,
+and its tables' ratios."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp import web
+from prometheus_client import CollectorRegistry, generate_latest
 
 from benchmarks.scale_out import (
     Placement,
@@ -20,6 +22,8 @@ from benchmarks.scale_out import (
     _PodsOnly,
     fast_table,
     fixed_table,
+    placed_text,
+    placement_counts,
     send,
     send_at_rate,
     split_prompts,
@@ -28,6 +32,8 @@ from benchmarks.scale_out import (
 )
 from benchmarks.sched_policies import Prompt, RequestResult, policy_document
 from router.scheduling.config import parse_scheduler_config
+from router.sync.exposition import merge
+from router.sync.metrics import SyncMetrics
 from tests.local_http import serve
 
 EVENT = b'data: {"choices":[{"index":0,"delta":{"content":"pong"}}]}\n\ndata: [DONE]\n\n'
@@ -136,3 +142,20 @@ def test_the_routers_scheduler_file_leaves_the_precise_index_to_the_policy(
     precise = parse_scheduler_config(policy_document("precise-prefix-cache", precise=pods.precise))
     assert precise.precise_enabled
     assert parse_scheduler_config(policy_document("prefix-cache")).precise_enabled
+
+
+def test_placements_are_read_from_every_workers_metrics() -> None:
+    """The counts come from the router's own exposition (`SyncMetrics`), summed over the
+    workers of a merged `--workers N` scrape; the line shows what the askers saw."""
+    expositions = {}
+    for worker, outcomes in enumerate((("served", "served", "served"),
+                                       ("answered", "answered", "timeout"))):
+        registry = CollectorRegistry()
+        metrics = SyncMetrics(registry)
+        for outcome in outcomes:
+            metrics.placement[outcome].inc()
+        expositions[worker] = generate_latest(registry).decode()
+    counts = placement_counts(merge(expositions, missing=0).decode())
+    assert counts == {"served": 3, "answered": 2, "timeout": 1, "none": 0}
+    assert placed_text(counts) == "[placed 2 answered, 1 timeout] "
+    assert placed_text(placement_counts(generate_latest(CollectorRegistry()).decode())) == ""

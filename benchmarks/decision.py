@@ -28,13 +28,14 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 
 from router.load import InFlight
 from router.resources import ModelServer, ObjectMeta, PDGroup
 from router.scheduling import ScheduleRequest
-from router.scheduling.config import SchedulerConfig, parse_scheduler_config
+from router.scheduling.config import DEFAULT_PROFILES, SchedulerConfig, parse_scheduler_config
 from router.scheduling.metrics_scraper import EngineLoad
 from router.scheduling.runtime import SchedulerRuntime
 from router.view import ClusterView, Endpoint, PDGroupPods, ServerPods, Snapshot
@@ -149,19 +150,20 @@ def _quantiles(times: list[float]) -> tuple[float, float]:
     return statistics.median(ordered) * 1e6, ordered[int(len(ordered) * 0.9)] * 1e6
 
 
+def default_prefill_with(prefix: dict[str, Any]) -> list[dict[str, Any]]:
+    """pdgate's default prefill scorers (`DEFAULT_PROFILES`) as config entries, with
+    `prefix` in place of `prefix-cache`: the benches' precise policies follow the default's
+    load and cache-pressure scorers, whatever they become."""
+    return [prefix if spec.type == "prefix-cache"
+            else {"type": spec.type, "weight": spec.weight, **spec.params}
+            for spec in DEFAULT_PROFILES["prefill"].scorers]
+
+
 def precise_config() -> SchedulerConfig:
     """The default profiles with `precise-prefix-cache` in place of `prefix-cache`."""
     return parse_scheduler_config({
-        "profiles": {
-            "prefill": {
-                "scorers": [
-                    {"type": "precise-prefix-cache", "weight": 1.0},
-                    {"type": "prefill-backlog", "weight": 1.0},
-                    {"type": "queue", "weight": 0.5},
-                    {"type": "cache-pressure", "weight": 1.0},
-                ],
-            },
-        },
+        "profiles": {"prefill": {"scorers": default_prefill_with(
+            {"type": "precise-prefix-cache", "weight": 1.0})}},
         "preciseIndex": {"enabled": False},
     })
 

@@ -48,6 +48,7 @@ import uvicorn
 import yaml
 
 from benchmarks.cluster import loopback_net
+from benchmarks.decision import default_prefill_with
 from benchmarks.words import sim_tokenizer, single_token_words
 from engine_sim.ports import common_free_port as free_port
 from engine_sim.prompts import DEFAULT_CHAT_TEMPLATE, DEFAULT_TOKENIZER
@@ -155,13 +156,6 @@ def best_hit_tokens(prompts: Sequence[Prompt], block_size: int = BLOCK_SIZE) -> 
 # -- policies -------------------------------------------------------------------------------------
 
 _GUARD_OFF: Final = {"guard": {"absolute": 0, "relative": 0}}
-#: As in pdgate's default prefill profile: the predicted seconds of prefill queued on a pod
-#: and the engine's waiting queue.
-_LOAD: Final = ({"type": "prefill-backlog", "weight": 1.0},
-                {"type": "queue", "weight": 0.5, "threshold": 32})  # fmt: skip
-#: As in pdgate's default prefill profile: a move is charged the cache it evicts (with the
-#: precise index, from the engines' own blocks and reported capacity).
-_PRESSURE: Final = ({"type": "cache-pressure", "weight": 1.0},)
 
 
 def _pd(prefill: Sequence[dict[str, Any]], decode: Sequence[dict[str, Any]] | None = None,
@@ -180,12 +174,12 @@ POLICIES: Final[dict[str, dict[str, Any]]] = {
     "random": _pd([{"type": "random"}], [{"type": "random"}], _GUARD_OFF),
     "round-robin": _pd([{"type": "round-robin"}], [{"type": "round-robin"}], _GUARD_OFF),
     "prefix-cache": {},
-    "precise-prefix-cache": _pd([
-        {"type": "precise-prefix-cache", "weight": 1.0, "storeHitFactor": 0.0}, *_LOAD, *_PRESSURE
-    ]),
-    "mooncake-aware": _pd([
-        {"type": "precise-prefix-cache", "weight": 1.0, "storeHitFactor": 0.7}, *_LOAD, *_PRESSURE
-    ]),
+    # The default prefill profile (its load and cache-pressure scorers) with the precise
+    # index in place of the approximate one, without and with the Mooncake Store credit.
+    "precise-prefix-cache": _pd(default_prefill_with(
+        {"type": "precise-prefix-cache", "weight": 1.0, "storeHitFactor": 0.0})),
+    "mooncake-aware": _pd(default_prefill_with(
+        {"type": "precise-prefix-cache", "weight": 1.0, "storeHitFactor": 0.7})),
 }
 
 

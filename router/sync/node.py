@@ -19,7 +19,8 @@ Publishing never waits: a local change (in-flight count, routed prompt, ejection
 scrape) is queued and the queue goes out as ONE frame. A decision another process must
 see before its next pick (a routed prompt, an ejection, a pod this process had nothing
 on turning busy) is flushed at the next turn of the event loop; other counts and scrapes
-at this process's next pick (`catch_up`) or after `flush_interval_s` (5 ms), whichever
+go with the frame of this process's next pick (`catch_up` sends them at the next turn,
+where the pick's own changes join them) or after `flush_interval_s` (5 ms), whichever
 comes first, so every request of that window shares one send and in-flight counts are
 coalesced per pod (only the latest count is sent). Flushing everything at the next turn
 sent a frame on almost every turn under load (acquire and release of prefill and decode
@@ -333,6 +334,7 @@ class SyncNode:
         except Exception:  # the asker then places it itself; the frame's other messages apply
             log.exception("sync: placing a new prompt for %s failed", asker)
             pods = None
+        self.flush()
         self.metrics.placement["served"].inc()
         self._send_batch([(m.PLACED, asker, ask, list(pods or ()))], host_only=False,
                          urgent=True)
@@ -349,11 +351,12 @@ class SyncNode:
     # -- what the others changed ----------------------------------------------------------
 
     def catch_up(self) -> None:
-        """Before a pick: send what this process changed and has not sent yet (instead of
-        waking for it later), and apply what this host's other workers sent on the state
-        lane and this one has not read yet (also every `catch_up_s` by itself)."""
+        """Before a pick: apply what this host's other workers sent on the state lane and
+        this one has not read yet (also every `catch_up_s` by itself), and send what this
+        process changed and has not sent at the next turn of the loop, in one frame with
+        what the pick changes (sent now, it made a frame of its own: two a request)."""
         if self._pending or self._pending_inflight:
-            self.flush()
+            self._schedule(soon=True)
         if self._local is None or self._catching_up:
             return
         self._catching_up = True

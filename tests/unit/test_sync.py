@@ -132,7 +132,8 @@ async def test_a_pod_turning_busy_reaches_the_peer_at_the_next_turn(
 
 async def test_a_pick_sends_what_waits_for_the_window(pair: tuple[Node, Node, Clock]) -> None:
     """A count that need not go at once waits for `flush_interval_s`, unless this process
-    picks first: then it goes with the pick (no wake-up of its own for it)."""
+    picks first: then it goes with the pick's own changes, in one frame (no wake-up of
+    its own for it, and no frame of its own)."""
     one, two, _ = pair
     one.node._loop = asyncio.get_running_loop()
     one.node.config = replace(one.node.config, flush_interval_s=3600.0)
@@ -144,10 +145,13 @@ async def test_a_pick_sends_what_waits_for_the_window(pair: tuple[Node, Node, Cl
     await asyncio.sleep(0)
     assert not one.frames
     one.node.catch_up()  # as the scheduler does before a pick
+    one.approx.record(POD_B.key, [7, 8])  # the pick: a routed prompt...
+    one.inflight.acquire(POD_B)  # ...counted on its pod
+    await asyncio.sleep(0)
     assert len(one.frames) == 1
-    for frame in one.frames:
-        two.node.apply(frame)
-    assert two.inflight.get(POD_A) == 0
+    one.deliver_to(two)
+    assert two.inflight.get(POD_A) == 0 and two.inflight.get(POD_B) == 1
+    assert two.approx.match([POD_B.key], [7, 8]) == [2]
 
 
 def test_prefill_backlogs_are_the_sum_of_every_process(pair: tuple[Node, Node, Clock]) -> None:

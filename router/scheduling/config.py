@@ -11,7 +11,7 @@
           - {type: prefill-backlog, weight: 1.0}
           - {type: queue, weight: 0.5, threshold: 32}
           - {type: cache-pressure, weight: 1.0}
-        picker: {tieTolerance: 0.05, cacheSimilarity: 0.1,
+        picker: {tieTolerance: 0.05, cacheSimilarity: 0.1, workWeight: 0.25,
                  guard: {absolute: 8, relative: 2.0}}
       decode: ...                         # the decode pod, within the prefill pod's group
       aggregated: ...                     # servers without PD
@@ -107,6 +107,12 @@ class PickerConfig:
     #: Affinity scores within this of the best candidate's count as equal to it, so
     #: among pods with a similar cache benefit, load decides.
     cache_similarity: float = 0.1
+    #: PD prefill choice only (ttft unit): a candidate is chosen by its predicted TTFT plus
+    #: workWeight x the prefill compute (and pool pull) seconds it would spend, so that
+    #: where waiting on a warm pod and computing the prompt cold on an idle one predict
+    #: the same TTFT, the warm pod wins (the compute spent elsewhere delays later
+    #: requests, and the copy evicts other prompts). The predicted TTFT is unchanged.
+    work_weight: float = 0.25
     guard: GuardConfig = GuardConfig()
 
 

@@ -19,7 +19,10 @@ One decision (`PipelineScheduler.pick`):
    pair's cost is prefill + `decodeWeight` x decode (ttft) or their weighted mean
    (score). So a group whose decode side is saturated (filtered) or loaded (costly) is not
    chosen for its warm prefill pod. The pair cost is separable, so this costs
-   O(prefill pods + decode pods), not their product.
+   O(prefill pods + decode pods), not their product. The prefill side is compared by its
+   cost plus `workWeight` x the compute (and pull) seconds it would spend (ttft unit), so
+   a near-tie between waiting on a warm pod and computing the prompt cold on an idle one
+   keeps the prompt on its pod; the predicted TTFT is the cost alone.
 5. Ties: every candidate (or group) whose cost is within `tieTolerance` of the best
    (x one mean prefill time in ttft unit) is equally good; one is drawn with the
    scheduler's `random.Random` (injectable, seedable), never by list order; for a prompt
@@ -92,6 +95,8 @@ class Profile:
         "total_weight",
         "ttft",
         "uses_backlog",
+        "work",
+        "work_weight",
     )
 
     def __init__(self, name: str, config: ProfileConfig, deps: SchedulerDeps) -> None:
@@ -113,6 +118,11 @@ class Profile:
         picker = config.picker
         self.tie_tolerance = picker.tie_tolerance
         self.similarity = picker.cache_similarity
+        #: The compute weight of the choice (`PickerConfig.work_weight`), ttft unit only.
+        self.work_weight = picker.work_weight if self.ttft else 0.0
+        #: The prefix scorer's part of the last `costs`: each candidate's compute (and
+        #: pull) seconds; None without a prefix scorer or a work weight.
+        self.work: list[float] | None = None
         self.guard_absolute = picker.guard.absolute
         self.guard_relative = picker.guard.relative
         self._waiting: EngineMemo[list[float]] = EngineMemo()  # the guard's, per scrape
@@ -125,6 +135,7 @@ class Profile:
         ttft = self.ttft
         ctx.ttft_unit = ttft
         ctx.compute_tokens = ctx.pull_tokens = None
+        self.work = None
         for scorer in self.scorers:
             scores = scorer.score(ctx, cands)
             if similarity > 0 and scorer.affinity:
@@ -134,6 +145,8 @@ class Profile:
             weight = scorer.weight * (scorer.scale_s(ctx, cands) if ttft else 1.0)
             if not weight:
                 continue
+            if self.work_weight and scorer.type_name in _PREFIX_SCORERS:
+                self.work = [weight * (1.0 - s) for s in scores]
             if cost is None:
                 cost = [0.0 + weight * (1.0 - s) for s in scores]
             else:  # one score per candidate (no strict zip: it costs a fifth of this line)
@@ -144,6 +157,14 @@ class Profile:
             total_weight = self.total_weight
             cost = [c / total_weight for c in cost]
         return cost
+
+    def choice_costs(self, costs: list[float]) -> list[float]:
+        """What the choice compares: `costs` plus `work_weight` x each candidate's compute
+        seconds from the last `costs` (the costs themselves stay the predicted TTFT)."""
+        work, weight = self.work, self.work_weight
+        if work is None or not weight:
+            return costs
+        return [c + weight * w for c, w in zip(costs, work)]  # noqa: B905
 
     def tolerance(self, ctx: PickContext) -> float:
         return self.tie_tolerance * (ctx.mean_prefill_s if self.ttft else 1.0)
@@ -185,6 +206,9 @@ def build_profiles(config: SchedulerConfig, deps: SchedulerDeps) -> _Profiles:
         precise=config.precise_enabled,
     )
 
+
+#: The scorers whose part of a ttft cost is the prompt's compute (and pull) seconds.
+_PREFIX_SCORERS: Final = frozenset(("prefix-cache", "precise-prefix-cache"))
 
 #: Bound of the per-server pod-list cache (servers); emptied on every snapshot anyway.
 MAX_CACHED_LAYOUTS = 1024
@@ -738,8 +762,9 @@ class PipelineScheduler:
 
         pre_of = _groups_of(pre, layout.pods, layout.groups)
         dec_of = _groups_of(dec, layout.decode, layout.decode_groups)
+        pre_choice = pre_profile.choice_costs(pre_costs)
         best_pre: dict[str | None, float] = {}
-        for name, cost in zip(pre_of, pre_costs, strict=True):
+        for name, cost in zip(pre_of, pre_choice, strict=True):
             if cost < best_pre.get(name, _INF):
                 best_pre[name] = cost
         best_dec: dict[str | None, float] = {}
@@ -765,7 +790,7 @@ class PipelineScheduler:
         group = names[_choose(ties, pair_costs, tolerance, names)]
 
         ctx.role = "prefill"
-        pi = self._within(pre_of, pre_costs, group, tolerance, ties, pre.keys)
+        pi = self._within(pre_of, pre_choice, group, tolerance, ties, pre.keys)
         ctx.role = "decode"
         di = self._within(dec_of, dec_costs, group, dec_profile.tolerance(ctx),
                           _at_random(rng_index), dec.keys)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ from router.load import InFlight
 from router.resources import ModelServer, ObjectMeta, PDGroup
 from router.scheduling import ScheduleRequest
 from router.scheduling.config import (
+    DEFAULT_PROFILES,
     SchedulerConfig,
     SchedulerConfigError,
     parse_scheduler_config,
@@ -263,6 +265,37 @@ def test_measured_prefills_calibrate_the_servers_fit_and_are_exported() -> None:
     assert b is not None and b > 1.5e-4  # moved from the seed (1e-4) towards 3e-4
     assert registry.get_sample_value(
         "pdgate_scheduler_prefill_prediction_error_seconds_count") == 12
+
+
+def _work_weight(weight: float) -> SchedulerConfig:
+    prefill = DEFAULT_PROFILES["prefill"]
+    profiles = {**DEFAULT_PROFILES, "prefill": replace(
+        prefill, picker=replace(prefill.picker, work_weight=weight))}
+    return SchedulerConfig(profiles=profiles)
+
+
+@pytest.mark.parametrize(("weight", "stays"), [(0.25, True), (0.0, False)])
+def test_a_warm_pod_queued_about_as_long_as_a_cold_prefill_keeps_its_prompt(
+    weight: float, stays: bool
+) -> None:
+    """The prompt's pod is queued a little longer than computing the prompt cold on the
+    idle pod takes: by predicted TTFT alone the idle pod wins; counting the compute the
+    choice spends (`workWeight`, 0.25 by default) keeps the prompt where it is cached.
+    Either way the predicted TTFT is the chosen pod's own."""
+    rt, _ = _runtime(_work_weight(weight))
+    server, req = _server({}), _request()
+    first = rt.scheduler.pick(server, req, frozenset())
+    assert first is not None and first.prefill is not None and first.on_prefill is not None
+    cold = first.prefill_cost  # computing the whole prompt on an idle pod
+    first.on_prefill(cold)
+    warm = first.prefill
+    rt.deps.inflight.acquire(warm)
+    rt.deps.backlog.dispatch(warm.key, 1.15 * cold, rt.clock(), idle=False)
+    again = rt.scheduler.pick(server, req, frozenset())
+    assert again is not None and again.prefill is not None
+    assert (again.prefill.key == warm.key) is stays
+    expected = 1.15 * cold if stays else cold
+    assert again.prefill_cost == pytest.approx(expected, rel=0.05)
 
 
 # -- the SLO gate ------------------------------------------------------------------------------

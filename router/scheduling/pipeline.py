@@ -118,8 +118,9 @@ class Profile:
         picker = config.picker
         self.tie_tolerance = picker.tie_tolerance
         self.similarity = picker.cache_similarity
-        #: The compute weight of the choice (`PickerConfig.work_weight`), ttft unit only.
-        self.work_weight = picker.work_weight if self.ttft else 0.0
+        #: The compute weight of the choice (`PickerConfig.work_weight`): the PD prefill
+        #: profile in ttft unit only (no other profile's choice reads it).
+        self.work_weight = picker.work_weight if self.ttft and name == "prefill" else 0.0
         #: The prefix scorer's part of the last `costs`: each candidate's compute (and
         #: pull) seconds; None without a prefix scorer or a work weight.
         self.work: list[float] | None = None

@@ -168,10 +168,18 @@ async def test_ttft_is_from_arrival_to_first_content_and_phases_add_up(
           f"router histogram p50 {1e3 * router_p50:.2f} ms (mean {1e3 * router_mean:.2f})")
     assert client_mean >= PREFILL_MS / 1e3  # the prefill is in there
     assert abs(client_mean - router_mean) <= TTFT_AGREEMENT_S
-    # The histogram's p50 falls in the bucket that holds the client's p50.
+    # The histogram's p50 falls in the bucket that holds the router's own median, which is
+    # the client's less at most the agreement (the router's clock starts at arrival): the
+    # bucket of the client's p50, or the one below when that p50 sits within the agreement
+    # of a bucket's lower edge (client p50 80.7 ms, router p50 73.3 ms in a (50, 80] bucket).
     edges = [0.0] + [le for le, _ in buckets]
-    (bucket,) = [(lo, hi) for lo, hi in itertools.pairwise(edges) if lo < client_p50 <= hi]
-    assert bucket[0] <= router_p50 <= bucket[1] + TTFT_AGREEMENT_S
+
+    def bucket_of(seconds: float) -> tuple[float, float]:
+        (bucket,) = [(lo, hi) for lo, hi in itertools.pairwise(edges) if lo < seconds <= hi]
+        return bucket
+
+    lowest = bucket_of(max(client_p50 - TTFT_AGREEMENT_S, 1e-9))[0]
+    assert lowest <= router_p50 <= bucket_of(client_p50)[1] + TTFT_AGREEMENT_S
 
     # The phases are laps of the same clock: their sums add up to TTFT's.
     phases = {}

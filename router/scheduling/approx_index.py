@@ -136,10 +136,21 @@ class ApproximatePrefixIndex:
         touch = lru.move_to_end
         # Tail first, so the head of the prompt is the most recent: like an engine, the
         # LRU then forgets a prompt's tail before its head, and the leading blocks it
-        # keeps still match.
-        for block_hash in reversed(hashes):
+        # keeps still match. A prompt's tail is mostly new to the pod and its head held
+        # (a pod keeps a prefix), so each block is looked up until the first held one,
+        # and from there on moved to the end at once (one lookup), a KeyError meaning new
+        # after all: compiled, a raised KeyError costs a traceback, about 0.5 µs a block,
+        # which was a third of a new 8 KB prompt's PD pick.
+        blocks = reversed(hashes)
+        for block_hash in blocks:
+            if block_hash in lru:
+                touch(block_hash)
+                break
+            lru[block_hash] = None
+            masks[block_hash] = masks.get(block_hash, 0) | bit
+        for block_hash in blocks:  # the rest of the prompt, towards its head
             try:
-                touch(block_hash)  # held already (the common case): one lookup
+                touch(block_hash)
             except KeyError:
                 lru[block_hash] = None
                 masks[block_hash] = masks.get(block_hash, 0) | bit

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections import OrderedDict
 from typing import Any
 
 import pytest
@@ -308,6 +309,49 @@ def test_approximate_index_lru_is_bounded_and_forgets_tails_first() -> None:
     index.record("p", list(range(3000, 3020)))
     assert index.match(["p"], old) == [24]
     assert index.evictions > 0
+
+
+# Prompts made of runs of blocks shared between prompts (in any order, so a pod may hold a
+# prompt's middle but not its head) and of new blocks; the runs hold more blocks than a
+# pod's bound, so records insert, touch and evict in every order.
+_RUNS = [list(range(100 * i, 100 * i + 12)) for i in range(MIN_BLOCKS_PER_POD // 8)]
+_PROMPT = st.lists(
+    st.one_of(st.sampled_from(_RUNS), st.lists(st.integers(10_000, 1 << 40), max_size=3)),
+    min_size=1, max_size=6,
+).map(lambda parts: [block for part in parts for block in part]).filter(bool)
+_PROMPTS = st.lists(st.tuples(st.sampled_from(["a", "b"]), _PROMPT), min_size=1, max_size=30)
+
+
+@given(records=_PROMPTS)
+@settings(max_examples=60, deadline=None)
+def test_approximate_index_records_as_an_lru_of_each_pod_would(
+    records: list[tuple[str, list[int]]],
+) -> None:
+    """A record touches the prompt's blocks tail first and evicts the least recent beyond
+    the bound: the index answers as one plain LRU per pod does, after every record."""
+    index = ApproximatePrefixIndex(block_bytes=4, chars_per_token=1.0,
+                                   default_capacity_tokens=MIN_BLOCKS_PER_POD * 4)
+    reference: dict[str, OrderedDict[int, None]] = {"a": OrderedDict(), "b": OrderedDict()}
+    for pod, prompt in records:
+        lru = reference[pod]
+        for block in reversed(prompt):
+            if block in lru:
+                lru.move_to_end(block)
+            else:
+                lru[block] = None
+        while len(lru) > MIN_BLOCKS_PER_POD:
+            lru.popitem(last=False)
+        index.record(pod, prompt)
+        for probe_pod, held in reference.items():
+            assert index.blocks_of(probe_pod) == len(held)
+        for _, probe in records:
+            expected = []
+            for held in reference.values():
+                depth = 0
+                while depth < len(probe) and probe[depth] in held:
+                    depth += 1
+                expected.append(depth)
+            assert index.match(["a", "b"], probe) == expected
 
 
 def test_approximate_index_bound_follows_the_engines_capacity() -> None:

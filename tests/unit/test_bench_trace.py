@@ -8,6 +8,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any, cast
 
 import orjson
 import pytest
@@ -243,3 +244,29 @@ def test_the_report_states_both_slos_and_the_refusals() -> None:
     row = next(line for line in text.splitlines() if line.startswith("| pdgate"))
     # within the flat SLO: 2 of 4 (the 429 counts as a miss); length-aware 75%; 1 refused
     assert "| 50.0% | 75.0% |" in row and "| 3/4 | 1 |" in row
+
+
+@pytest.mark.parametrize(("budget", "runs"), [(None, True), (10.0, False)])
+async def test_only_a_budget_given_on_the_command_line_skips_the_trace_phase(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, budget: float | None, runs: bool
+) -> None:
+    """A slower machine spends the default budget on the phases before the trace; `make
+    bench` must still give the trace tables. A budget the user gave is kept to."""
+    from benchmarks import cli
+    from benchmarks.phases import Bench
+
+    replayed: list[list[Path]] = []
+
+    async def replay(paths: list[Path], *_: object) -> None:
+        replayed.append(paths)
+
+    monkeypatch.setattr(cli.trace_bench, "run_traces", replay)
+    trace = _write(tmp_path, RECORDS)
+    args = cli.parse_args(
+        ["--trace", str(trace)] + ([] if budget is None else ["--time-budget", str(budget)])
+    )
+    spent = Bench(config=cast(Any, None), lineup=cast(Any, None), work_dir=tmp_path / "raw",
+                  deadline=time.monotonic() - 1.0, reporter=cast(Any, None))
+    await cli._trace(spent, args)
+    assert replayed == ([[trace]] if runs else [])
+    assert ("trace" in spent.skipped) is not runs

@@ -34,6 +34,8 @@ COMPILED_SOURCES: tuple[str, ...] = (
     "router/scheduling/pipeline.py",
     "router/scheduling/pool_view.py",
     "router/scheduling/precise_index.py",
+    "router/scheduling/prefill_ticket.py",
+    "router/scheduling/profile.py",
     "router/scheduling/scorers/__init__.py",
     "router/scheduling/scorers/base.py",
     "router/scheduling/scorers/cache_pressure.py",
@@ -46,6 +48,7 @@ COMPILED_SOURCES: tuple[str, ...] = (
     "router/scheduling/scorers/random_score.py",
     "router/scheduling/scorers/round_robin.py",
     "router/scheduling/scorers/session_affinity.py",
+    "router/scheduling/ties.py",
     "router/scheduling/ttft_model.py",
 )
 

@@ -27,7 +27,7 @@ One decision (`PipelineScheduler.pick`):
    (x one mean prefill time in ttft unit) is equally good; one is drawn with the
    scheduler's `random.Random` (injectable, seedable), never by list order; for a prompt
    no candidate holds a block of, by rendezvous hashing over the tied candidates' names
-   seeded with its first block's hash (`_tie_breaker`), so that routers sharing state
+   seeded with its first block's hash (`ties.tie_breaker`), so that routers sharing state
    send the same new prompt to the same pod.
 6. Dispatch bookkeeping: scorers see the chosen pod (`picked`: the approximate index
    records the prompt, session affinity remembers the pod), the prefix-cache hit
@@ -35,181 +35,45 @@ One decision (`PipelineScheduler.pick`):
    uncached tokens is updated (by profiles with a prefix scorer only), and the decision
    time and (ttft unit) the predicted TTFT of the choice (+ `prefill_overhead_s` + prompt
    tokens x `transfer_s_per_token`) are observed.
+
+This module runs the steps in order; a role's filters, costs and guard (1-3) are its
+`profile.Profile`'s, the draw among ties (5) is `ties`'s, and a sequential-PD prefill's
+predicted duration, from dispatch to its measured end, is a `prefill_ticket.PrefillTicket`.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
-from typing import Any, Final
-
-import xxhash
+from typing import Any
 
 from router.scheduling import Pick, ScheduleRequest
-from router.scheduling.backlog import PrefillBacklog
 from router.scheduling.block_hash import CHAT_PATH, LeadingBlocks, salt_of
-from router.scheduling.config import ProfileConfig, SchedulerConfig
+from router.scheduling.config import SchedulerConfig
 from router.scheduling.context import (
     Candidates,
-    EngineMemo,
     PickContext,
     PromptInfo,
     SchedulerDeps,
     ServerCosts,
 )
-from router.scheduling.filters import FILTERS, Filter
 from router.scheduling.metrics import DecisionCounts, SchedulerMetrics
-from router.scheduling.scorers import SCORERS, Scorer
+from router.scheduling.prefill_ticket import PrefillTicket
+from router.scheduling.profile import GUARD_PENALTY, Profile, Profiles, build_profiles
 from router.scheduling.slo import Prediction, SLOGate
-from router.scheduling.ttft_model import PrefillFit
+from router.scheduling.ties import at_random, choose, tie_breaker, within
 from router.tokenization import ChatInputError, prompt_chars
 from router.tokenization import Endpoint as Prompt
 from router.view import Endpoint, ServerPods
 
 _INF = math.inf
-#: Added to the cost of a candidate the guard excludes: it loses to any other candidate,
-#: yet a group with one guarded side still beats a group with two.
-GUARD_PENALTY = 1e12
 # Added per avoided or ejected pod when nothing else is left: dwarfs any real cost, so a
 # pair with one such pod beats a pair with two, whatever their loads.
 UNWANTED_PENALTY = 1e15
 
-
-class Profile:
-    """One role's filters, scorers and picker settings, built from a `ProfileConfig`."""
-
-    __slots__ = (
-        "_waiting",
-        "config",
-        "filters",
-        "guard_absolute",
-        "guard_relative",
-        "name",
-        "recorders",
-        "scorers",
-        "similarity",
-        "tie_tolerance",
-        "total_weight",
-        "ttft",
-        "uses_backlog",
-        "work",
-        "work_weight",
-    )
-
-    def __init__(self, name: str, config: ProfileConfig, deps: SchedulerDeps) -> None:
-        self.name = name
-        self.config = config
-        filters = [FILTERS[s.type](deps, s.params) for s in config.filters]
-        self.filters: list[Filter] = [f for f in filters if not f.keeps_all]
-        self.scorers: list[Scorer] = [
-            SCORERS[s.type](s.weight, deps, s.params) for s in config.scorers if s.weight > 0
-        ]
-        #: The scorers that remember the chosen pod (the others' `picked` does nothing).
-        self.recorders = [s for s in self.scorers if type(s).picked is not Scorer.picked]
-        #: Whether the prefill backlog (`backlog.py`) must hear of this profile's picks.
-        self.uses_backlog = any(s.type_name == "prefill-backlog" for s in self.scorers)
-        self.ttft = config.unit == "ttft"
-        self.total_weight = 0.0
-        for scorer in self.scorers:  # summed in scorer order, as `costs` always did
-            self.total_weight += scorer.weight
-        picker = config.picker
-        self.tie_tolerance = picker.tie_tolerance
-        self.similarity = picker.cache_similarity
-        #: The compute weight of the choice (`PickerConfig.work_weight`): the PD prefill
-        #: profile in ttft unit only (no other profile's choice reads it).
-        self.work_weight = picker.work_weight if self.ttft and name == "prefill" else 0.0
-        #: The prefix scorer's part of the last `costs`: each candidate's compute (and
-        #: pull) seconds; None without a prefix scorer or a work weight.
-        self.work: list[float] | None = None
-        self.guard_absolute = picker.guard.absolute
-        self.guard_relative = picker.guard.relative
-        self._waiting: EngineMemo[list[float]] = EngineMemo()  # the guard's, per scrape
-
-    def costs(self, ctx: PickContext, cands: Candidates) -> list[float]:
-        """Combined cost per candidate (lower is better); see `scorers.base`."""
-        n = len(cands.keys)
-        cost: list[float] | None = None  # the sum so far, from 0.0 (None: still 0.0)
-        similarity = self.similarity if n > 1 else 0.0
-        ttft = self.ttft
-        ctx.ttft_unit = ttft
-        ctx.compute_tokens = ctx.pull_tokens = None
-        self.work = None
-        for scorer in self.scorers:
-            scores = scorer.score(ctx, cands)
-            if similarity > 0 and scorer.affinity:
-                best = max(scores)
-                floor = best - similarity
-                scores = [best if s >= floor else s for s in scores]
-            weight = scorer.weight * (scorer.scale_s(ctx, cands) if ttft else 1.0)
-            if not weight:
-                continue
-            if self.work_weight and scorer.type_name in _PREFIX_SCORERS:
-                self.work = [weight * (1.0 - s) for s in scores]
-            if cost is None:
-                cost = [0.0 + weight * (1.0 - s) for s in scores]
-            else:  # one score per candidate (no strict zip: it costs a fifth of this line)
-                cost = [c + weight * (1.0 - s) for c, s in zip(cost, scores)]  # noqa: B905
-        if cost is None:
-            return [0.0] * n
-        if not ttft and self.total_weight > 0:
-            total_weight = self.total_weight
-            cost = [c / total_weight for c in cost]
-        return cost
-
-    def choice_costs(self, costs: list[float]) -> list[float]:
-        """What the choice compares: `costs` plus `work_weight` x each candidate's compute
-        seconds from the last `costs` (the costs themselves stay the predicted TTFT)."""
-        work, weight = self.work, self.work_weight
-        if work is None or not weight:
-            return costs
-        return [c + weight * w for c, w in zip(costs, work)]  # noqa: B905
-
-    def tolerance(self, ctx: PickContext) -> float:
-        return self.tie_tolerance * (ctx.mean_prefill_s if self.ttft else 1.0)
-
-    def guard(self, cands: Candidates, costs: list[float]) -> bool:
-        """Exclude far busier candidates (+GUARD_PENALTY); True if that changed the winner."""
-        n = len(cands)
-        if n < 2 or self.guard_absolute <= 0 or self.guard_relative <= 0:
-            return False
-        loads = cands.loads(self._waiting)
-        low = min(loads)
-        limit = max(low + self.guard_absolute, self.guard_relative * max(low, 1.0))
-        if max(loads) < limit:
-            return False
-        winner = costs.index(min(costs))
-        for i in range(n):
-            if loads[i] >= limit:
-                costs[i] += GUARD_PENALTY
-        return loads[winner] >= limit
-
-
-@dataclass(frozen=True, slots=True)
-class _Profiles:
-    """Everything a reload replaces, swapped in with one assignment."""
-
-    config: SchedulerConfig
-    prefill: Profile
-    decode: Profile
-    aggregated: Profile
-    precise: bool  # `config.precise_enabled`, read once per request on the hot path
-
-
-def build_profiles(config: SchedulerConfig, deps: SchedulerDeps) -> _Profiles:
-    return _Profiles(
-        config=config,
-        prefill=Profile("prefill", config.profile("prefill"), deps),
-        decode=Profile("decode", config.profile("decode"), deps),
-        aggregated=Profile("aggregated", config.profile("aggregated"), deps),
-        precise=config.precise_enabled,
-    )
-
-
-#: The scorers whose part of a ttft cost is the prompt's compute (and pull) seconds.
-_PREFIX_SCORERS: Final = frozenset(("prefix-cache", "precise-prefix-cache"))
 
 #: Bound of the per-server pod-list cache (servers); emptied on every snapshot anyway.
 MAX_CACHED_LAYOUTS = 1024
@@ -298,112 +162,8 @@ def _endpoint(path: str, body: dict[str, Any]) -> Prompt:
     return "chat" if path == CHAT_PATH or isinstance(body.get("messages"), list) else "completion"
 
 
-class _PrefillTicket:
-    """One sequential-PD prefill's prediction, from dispatch to its measured end.
-
-    Predicted duration = the pod's backlog (`backlog.py`; at least the engine's own
-    waiting queue x the mean prefill, which counts other routers' requests too) + the fit
-    of the uncached tokens + the pool pull. The measured duration feeds the
-    prediction-error metrics, the fit (only when the pod had nothing in flight from this
-    router and nothing waiting in the engine: the sample is then pure service time) and
-    the backlog's correction."""
-
-    __slots__ = (
-        "_backlog", "_calibrates", "_clean", "_clock", "_end", "_fit", "_idle", "_key",
-        "_metrics", "_pull_s", "_sent", "_service_s", "compute", "predicted",
-    )
-
-    def __init__(
-        self, fit: PrefillFit, metrics: SchedulerMetrics, backlog: PrefillBacklog,
-        clock: Callable[[], float], key: str, compute: float, pull_s: float, idle: bool,
-        now: float, others_s: float, calibrates: bool,
-    ) -> None:
-        self._fit, self._metrics, self._backlog, self._clock = fit, metrics, backlog, clock
-        self._key, self.compute, self._pull_s, self._idle = key, compute, pull_s, idle
-        self._calibrates = calibrates
-        self._clean = idle and others_s <= 0.0
-        self._service_s = fit.predict(compute) + pull_s
-        wait = max(0.0 if idle else backlog.wait_s(key, now), others_s)
-        self.predicted = wait + self._service_s
-        self._sent = now
-        self._end = now + self.predicted
-
-    def dispatch(self) -> None:
-        """The request goes to the pod: its service joins the pod's backlog."""
-        self._end = self._backlog.dispatch(self._key, self._service_s, self._sent, self._idle)
-
-    def failed(self) -> None:
-        """The prefill ended now without a KV handle: the pod is no longer busy with it."""
-        self._backlog.finished(self._key, self._end, self._clock())
-
-    def done(self, seconds: float) -> None:
-        """The prefill took `seconds` (from sending it to its KV handle)."""
-        self._backlog.finished(self._key, self._end, self._clock())
-        if not self._calibrates:
-            return
-        self._fit.observe_error(self.predicted, seconds)
-        self._metrics.observe_prefill(self.predicted, seconds)
-        if self._clean:
-            self._fit.add_sample(self.compute, seconds - self._pull_s)
-
-
 def _nothing() -> None:
     """The commit of a decision that records nothing."""
-
-
-_xxh3 = xxhash.xxh3_64_intdigest
-#: A prompt's block hash as an xxh3 seed (an unsigned 64-bit integer).
-_SEED_MASK: Final = (1 << 64) - 1
-#: Draws one of the tied candidates: (tied indices, every candidate's label) -> index.
-Draw = Callable[[list[int], Sequence[str | None]], int]
-
-
-def _at_random(rng_index: Callable[[int], int]) -> Draw:
-    """Ties drawn with the scheduler's `random.Random`."""
-    return lambda ties, labels: ties[rng_index(len(ties))]
-
-
-def _tie_breaker(
-    ctx: PickContext, report: _PrefixReport, rng_index: Callable[[int], int]
-) -> Draw:
-    """How ties are drawn: at random, except for a prompt no candidate holds a block of,
-    which goes to the tied candidate ranked first for it by rendezvous hashing (highest
-    xxh3 of the candidate's name, seeded with the prompt's first approximate block hash).
-
-    Routers that share state through `router.sync` (workers, replicas) learn where a
-    prompt went a few ms late: in the meantime each has placed its own requests, so their
-    tied sets may differ by a pod one of them just made busy. A rendezvous ranking is the
-    same whatever the set: both still send the prompt to the same pod unless the pod only
-    one of them sees as tied is the prompt's first choice (an index drawn modulo the number
-    of ties would agree only by chance once the sets differ). Different prompts rank the
-    pods differently, so new prompts still spread. In one process the second request sees
-    the first's record anyway."""
-    depths = report.approx_depths
-    if not depths or max(depths) > 0:
-        return _at_random(rng_index)
-    hashes = ctx.prompt.approx_hashes()
-    if not hashes:
-        return _at_random(rng_index)
-    seed = hashes[0] & _SEED_MASK
-
-    def rendezvous(ties: list[int], labels: Sequence[str | None]) -> int:
-        best, top = ties[0], -1
-        for i in ties:
-            rank = _xxh3((labels[i] or "").encode(), seed)
-            if rank > top:
-                best, top = i, rank
-        return best
-
-    return rendezvous
-
-
-def _choose(
-    draw: Draw, costs: Sequence[float], tolerance: float, labels: Sequence[str | None]
-) -> int:
-    best = min(costs)
-    limit = best + tolerance
-    ties = [i for i, c in enumerate(costs) if c <= limit]
-    return ties[0] if len(ties) == 1 else draw(ties, labels)
 
 
 class PipelineScheduler:
@@ -642,7 +402,7 @@ class PipelineScheduler:
 
     def _pick_aggregated(
         self,
-        profiles: _Profiles,
+        profiles: Profiles,
         ctx: PickContext,
         server: ServerPods,
         avoid: frozenset[str],
@@ -656,8 +416,8 @@ class PipelineScheduler:
         costs = profile.costs(ctx, cands)
         report = _take_report(ctx)
         guarded = profile.guard(cands, costs)
-        ties = _tie_breaker(ctx, report, self.deps.rng.randrange)
-        index = _choose(ties, costs, profile.tolerance(ctx), cands.keys)
+        ties = tie_breaker(ctx, report.approx_depths, self.deps.rng.randrange)
+        index = choose(ties, costs, profile.tolerance(ctx), cands.keys)
         predicted = (
             costs[index] + ctx.fit.predict(0.0)
             if profile.ttft and costs[index] < GUARD_PENALTY
@@ -680,7 +440,7 @@ class PipelineScheduler:
 
     def _pick_single(
         self,
-        profiles: _Profiles,
+        profiles: Profiles,
         ctx: PickContext,
         server: ServerPods,
         avoid: frozenset[str],
@@ -699,7 +459,7 @@ class PipelineScheduler:
         ctx.role = "decode" if server.is_pd else "aggregated"
         cands = self._narrow(ctx, profile, pods, keys, avoid, 2)
         loads = cands.loads()
-        index = _choose(_at_random(self.deps.rng.randrange), loads, 0.0, cands.keys)
+        index = choose(at_random(self.deps.rng.randrange), loads, 0.0, cands.keys)
         return _Decision(Pick(decode=cands.pods[index], decode_cost=loads[index]), None, _nothing)
 
     # -- prefill/decode pairs -----------------------------------------------------------------
@@ -714,7 +474,7 @@ class PipelineScheduler:
 
     def _pick_pd(
         self,
-        profiles: _Profiles,
+        profiles: Profiles,
         ctx: PickContext,
         server: ServerPods,
         avoid: frozenset[str],
@@ -786,15 +546,15 @@ class PipelineScheduler:
                 else (best_pre[name] + weight * dcost) / (1.0 + weight)
             )
         rng_index = self.deps.rng.randrange
-        ties = _tie_breaker(ctx, report, rng_index)
+        ties = tie_breaker(ctx, report.approx_depths, rng_index)
         tolerance = pre_profile.tolerance(ctx)
-        group = names[_choose(ties, pair_costs, tolerance, names)]
+        group = names[choose(ties, pair_costs, tolerance, names)]
 
         ctx.role = "prefill"
-        pi = self._within(pre_of, pre_choice, group, tolerance, ties, pre.keys)
+        pi = within(pre_of, pre_choice, group, tolerance, ties, pre.keys)
         ctx.role = "decode"
-        di = self._within(dec_of, dec_costs, group, dec_profile.tolerance(ctx),
-                          _at_random(rng_index), dec.keys)
+        di = within(dec_of, dec_costs, group, dec_profile.tolerance(ctx),
+                          at_random(rng_index), dec.keys)
         pair = pre_costs[pi] + weight * dec_costs[di]
         predicted: float | None = None
         idle = 0.0
@@ -834,7 +594,7 @@ class PipelineScheduler:
     def _prefill_ticket(
         self, ctx: PickContext, cands: Candidates, index: int, report: _PrefixReport,
         backlog: bool,
-    ) -> _PrefillTicket | None:
+    ) -> PrefillTicket | None:
         """The chosen prefill's prediction (queue + compute + pull) and what to do with its
         measured duration (sequential PD); None when neither the fit nor the backlog
         needs it. Without a Conductor cost (no prefix scorer in ttft unit) the whole prompt
@@ -850,25 +610,11 @@ class PipelineScheduler:
             compute, pull_s = float(ctx.prompt.token_count()), 0.0
         engine = cands.engine[index]
         waiting = engine.waiting if engine is not None and engine.waiting else 0.0
-        return _PrefillTicket(
+        return PrefillTicket(
             ctx.fit, self.metrics, self.deps.backlog, self._clock, cands.keys[index],
             compute, pull_s, cands.inflight[index] == 0, ctx.now, waiting * ctx.mean_prefill_s,
             calibrates=known,
         )
-
-    @staticmethod
-    def _within(
-        groups: list[str | None],
-        costs: list[float],
-        group: str | None,
-        tolerance: float,
-        draw: Draw,
-        labels: Sequence[str | None],
-    ) -> int:
-        members = [i for i, name in enumerate(groups) if name == group]
-        best = min(map(costs.__getitem__, members))
-        ties = [i for i in members if costs[i] <= best + tolerance]
-        return ties[0] if len(ties) == 1 else draw(ties, labels)
 
     # -- bookkeeping --------------------------------------------------------------------------
 

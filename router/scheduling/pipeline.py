@@ -554,7 +554,7 @@ class PipelineScheduler:
         pi = within(pre_of, pre_choice, group, tolerance, ties, pre.keys)
         ctx.role = "decode"
         di = within(dec_of, dec_costs, group, dec_profile.tolerance(ctx),
-                          at_random(rng_index), dec.keys)
+                    at_random(rng_index), dec.keys)
         pair = pre_costs[pi] + weight * dec_costs[di]
         predicted: float | None = None
         idle = 0.0

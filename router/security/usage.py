@@ -62,14 +62,17 @@ class StreamUsage:
 
     def feed(self, chunk: bytes) -> bytes:
         """The bytes of `chunk` to pass on to the client."""
-        data = self._tail + chunk if self._tail else chunk
-        end = data.rfind(_EVENT_END)
-        if end < 0:
-            self._tail = data
-            return b""
-        end += len(_EVENT_END)
-        self._tail = data[end:]
-        complete = data[:end]
+        if not self._tail and chunk.endswith(_EVENT_END):
+            complete = chunk  # whole events, nothing held: the common chunk, no copy
+        else:
+            data = self._tail + chunk if self._tail else chunk
+            end = data.rfind(_EVENT_END)
+            if end < 0:
+                self._tail = data
+                return b""
+            end += len(_EVENT_END)
+            self._tail = data[end:]
+            complete = data[:end]
         self.events += complete.count(_DATA)
         if _USAGE not in complete:
             return complete

@@ -2,7 +2,8 @@
 
 `setup.py` compiles `COMPILED_SOURCES` with mypyc when it can (see its docstring): the
 scheduler's pick path and the indexes it reads, the code that runs once or more per
-request in pure Python arithmetic. The Python source is the one definition of what they
+request in pure Python arithmetic, and a stream's per-chunk work (the relay's state, the
+content check that times tokens, the usage watcher). The Python source is the one definition of what they
 do; a build without a compiler runs it as is. Stdlib only: setup.py reads this file.
 """
 
@@ -21,7 +22,10 @@ GROUP = "router.hot_path"
 #: it in C, and mypyc's runtime type checks reject the tagged unions it decodes into.
 COMPILED_SOURCES: tuple[str, ...] = (
     "router/load.py",
+    "router/relay.py",
     "router/tally.py",
+    "router/timing.py",
+    "router/security/usage.py",
     "router/scheduling/approx_index.py",
     "router/scheduling/backlog.py",
     "router/scheduling/block_hash.py",

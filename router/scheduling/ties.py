@@ -62,10 +62,8 @@ def tie_breaker(
 def choose(
     draw: Draw, costs: Sequence[float], tolerance: float, labels: Sequence[str | None]
 ) -> int:
-    best = min(costs)
-    limit = best + tolerance
-    ties = [i for i, c in enumerate(costs) if c <= limit]
-    return ties[0] if len(ties) == 1 else draw(ties, labels)
+    """The candidate chosen among all: the cheapest, ties (within `tolerance`) drawn."""
+    return _among(range(len(costs)), costs, tolerance, draw, labels)
 
 
 def within(
@@ -78,6 +76,13 @@ def within(
 ) -> int:
     """The candidate chosen among `group`'s members (a PD pair's side), ties drawn."""
     members = [i for i, name in enumerate(groups) if name == group]
-    best = min(map(costs.__getitem__, members))
-    ties = [i for i in members if costs[i] <= best + tolerance]
+    return _among(members, costs, tolerance, draw, labels)
+
+
+def _among(
+    indices: Sequence[int], costs: Sequence[float], tolerance: float, draw: Draw,
+    labels: Sequence[str | None],
+) -> int:
+    limit = min([costs[i] for i in indices]) + tolerance
+    ties = [i for i in indices if costs[i] <= limit]
     return ties[0] if len(ties) == 1 else draw(ties, labels)

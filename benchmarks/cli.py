@@ -137,8 +137,10 @@ def _method(config: BenchConfig) -> list[str]:
         f"- Streaming: {config.streaming.output_tokens}-token streams "
         f"{config.streaming.itl_ms:g} ms apart from {config.streaming.agg_pods} aggregated "
         f"pods, closed loop at {', '.join(map(str, config.streaming.concurrencies))} streams, "
-        f"{config.streaming.seconds:g} s per router and level; the direct floor streams "
-        "straight from the pods, round robin.",
+        f"{config.streaming.seconds:g} s per router and level, one stream of each level "
+        f"the probe client's ({config.streaming.probe_tokens}-token streams one at a time "
+        "from a process of its own); the direct floor streams straight from the pods, "
+        "round robin.",
         f"- Scheduling: {s.pd_groups} PD groups (pdgate pairs inside a group; vLLM Router "
         f"pairs any prefill with any decode) or {s.agg_pods} aggregated pods, simulator latency "
         f"model on, flags `{' '.join(s.sim_flags)}`; closed loop at concurrency "

@@ -66,7 +66,9 @@ class OverloadConfig:
 @dataclass(frozen=True, slots=True)
 class StreamingConfig:
     """Relaying long streams: closed loop at each concurrency on pods that stream
-    `output_tokens` tokens `itl_ms` apart; every router beside the direct floor."""
+    `output_tokens` tokens `itl_ms` apart; every router beside the direct floor. One of
+    the streams at each level is the probe client's (`benchmarks.probe`): streams of
+    `probe_tokens` tokens, one at a time, from a process of its own."""
 
     concurrencies: tuple[int, ...]
     output_tokens: int
@@ -74,6 +76,7 @@ class StreamingConfig:
     seconds: float
     agg_pods: int
     modes: tuple[str, ...]
+    probe_tokens: int = 16
 
     @property
     def sim_flags(self) -> tuple[str, ...]:

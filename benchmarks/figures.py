@@ -89,6 +89,12 @@ class StreamingRow:
     added_itl_p99: float | None
     requests: int
     errors: int
+    # The probe client's streams beside the load (`benchmarks.probe`): one at a time, from
+    # a process of its own; its TTFT is what one more user sees.
+    probe_ttft_p50: float | None = None
+    added_probe_ttft_p50: float | None = None
+    probe_requests: int = 0
+    probe_errors: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,9 +226,12 @@ def streaming_rows(runs: Sequence[RunRecord]) -> list[StreamingRow]:
     rows = []
     for r in mine:
         s = r.summary
-        chunks = sum(x.chunks for x in r.results if x.ok)
-        direct = next((d.summary for d in mine if d.kind == "direct" and d.mode == r.mode
-                       and d.concurrency == r.concurrency), None)
+        chunks = sum(x.chunks for x in (*r.results, *r.probe) if x.ok)
+        floor = next((d for d in mine if d.kind == "direct" and d.mode == r.mode
+                      and d.concurrency == r.concurrency), None)
+        direct = None if floor is None else floor.summary
+        probe_p50 = _probe_ttft_p50(r)
+        direct_probe_p50 = None if floor is None else _probe_ttft_p50(floor)
 
         def added(mine_v: float | None, attr: str, floor: Summary | None = direct) -> float | None:
             base = None if floor is None else getattr(floor, attr)
@@ -238,8 +247,15 @@ def streaming_rows(runs: Sequence[RunRecord]) -> list[StreamingRow]:
             added_ttft_p99=added(s.ttft_p99, "ttft_p99"),
             added_itl_p50=added(s.itl_p50, "itl_p50"), added_itl_p99=added(s.itl_p99, "itl_p99"),
             requests=s.requests, errors=s.requests - s.ok,
+            probe_ttft_p50=probe_p50,
+            added_probe_ttft_p50=minus(probe_p50, direct_probe_p50),
+            probe_requests=len(r.probe), probe_errors=sum(1 for x in r.probe if not x.ok),
         ))  # fmt: skip
     return rows
+
+
+def _probe_ttft_p50(run: RunRecord) -> float | None:
+    return median([x.ttft for x in run.probe if x.ok and x.ttft is not None])
 
 
 def scheduling_rows(

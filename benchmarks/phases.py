@@ -26,6 +26,7 @@ from benchmarks.cluster import MODEL, ClusterShape, Mode, SimCluster, total_pref
 from benchmarks.config import BenchConfig
 from benchmarks.loadgen import LoadLimits, LoadResult, run_closed, run_open
 from benchmarks.pinning import GeneratorCore
+from benchmarks.probe import running_probe
 from benchmarks.procs import StartupError
 from benchmarks.results import RouterResources, RunRecord
 from benchmarks.routers import RouterSpec, RunningRouter
@@ -101,7 +102,10 @@ class Bench:
         *,
         rate: float | None = None,
         with_prefix: bool = False,
+        streams: int | None = None,
     ) -> RunRecord:
+        """One load run (closed loop at `streams`, default the record's concurrency, or
+        open loop at `rate`) with the router's CPU over it."""
         self.reporter.begin(f"{record.phase} {record.mode} {record.workload} {record.router}")
         prefix_before = total_prefix_counters(cluster.compute_pods) if with_prefix else None
         cpu_before = router.cpu_seconds()
@@ -109,7 +113,9 @@ class Bench:
         load: LoadResult
         if rate is None:
             load = await run_closed(
-                router.target, sessions, record.concurrency or 1, limits, self.reporter.request
+                router.target, sessions,
+                streams if streams is not None else record.concurrency or 1, limits,
+                self.reporter.request,
             )
         else:
             load = await run_open(
@@ -311,6 +317,8 @@ class Bench:
         workload = overhead(params, MODEL, self.config.seed)
         workload = Workload("streaming", workload.sessions,
                             f"{cfg.output_tokens} tokens {cfg.itl_ms:g} ms apart")
+        probe_params = OverheadParams(requests=1, output_tokens=cfg.probe_tokens)
+        probe_spec = overhead(probe_params, MODEL, self.config.seed + 1).sessions[0][0]
         with SimCluster(shape, self.work_dir / "logs") as cluster, contextlib.ExitStack() as stack:
             started: list[RunningRouter] = []
             for spec in specs:
@@ -327,11 +335,14 @@ class Bench:
                 for router in order:
                     if self._out_of_time(f"streaming {mode} c={concurrency}"):
                         return
-                    await self._measure(
-                        router, cluster,
-                        self._record("streaming", mode, router, workload, level, concurrency),
-                        workload.sessions, self._limits(cfg.seconds),
-                    )  # fmt: skip
+                    record = self._record("streaming", mode, router, workload, level,
+                                          concurrency)
+                    # The generator holds all streams but one; the probe sends the last.
+                    async with running_probe(router.target, probe_spec, cfg.seconds) as probe:
+                        await self._measure(router, cluster, record, workload.sessions,
+                                            self._limits(cfg.seconds),
+                                            streams=max(1, concurrency - 1))
+                    record.probe = probe.results
 
     # ---- phase 3 -------------------------------------------------------------------------
 

@@ -31,6 +31,8 @@ class RunRecord:
     client_cpu_s: float | None = None
     prefix: PrefixCounters | None = None
     results: list[RequestResult] = field(default_factory=list)
+    # Streaming: the probe client's streams beside the load (`benchmarks.probe`).
+    probe: list[RequestResult] = field(default_factory=list)
     _summary: Summary | None = None
 
     @property
@@ -74,7 +76,8 @@ class RunRecord:
         }
 
     def to_json(self) -> dict[str, Any]:
-        return {**self.header(), "results": [r.to_json() for r in self.results]}
+        return {**self.header(), "results": [r.to_json() for r in self.results],
+                "probe": [r.to_json() for r in self.probe]}
 
 
 @dataclass(slots=True)
@@ -103,15 +106,6 @@ def write_raw(path: Path, meta: dict[str, Any], runs: list[RunRecord],
     path.write_text(json.dumps(payload, separators=(",", ":")))
 
 
-def _result(raw: dict[str, Any]) -> RequestResult:
-    return RequestResult(
-        session=raw["session"], turn=raw["turn"], start=raw["start"], e2e=raw["e2e"],
-        ttft=raw["ttft"], itl=list(raw["itl"]), chunks=raw["chunks"], status=raw["status"],
-        error=raw["error"], prefill_pod=raw["prefill_pod"], decode_pod=raw["decode_pod"],
-        prompt_tokens=raw["prompt_tokens"], completion_tokens=raw["completion_tokens"],
-    )  # fmt: skip
-
-
 def read_raw(path: Path) -> tuple[dict[str, Any], list[RunRecord], list[RouterResources]]:
     """What `write_raw` wrote, to re-render reports without re-running."""
     payload = json.loads(path.read_text())
@@ -127,7 +121,8 @@ def read_raw(path: Path) -> tuple[dict[str, Any], list[RunRecord], list[RouterRe
             reference_rate=raw.get("reference_rate"),
             wall=raw["wall"], router_cpu_s=raw["router_cpu_s"],
             client_cpu_s=raw["client_cpu_s"], prefix=prefix,
-            results=[_result(r) for r in raw["results"]],
+            results=[RequestResult.from_json(r) for r in raw["results"]],
+            probe=[RequestResult.from_json(r) for r in raw.get("probe", ())],
         ))  # fmt: skip
     resources = [
         RouterResources(r["router"], r["mode"], r["phase"], r["peak_rss_bytes"],

@@ -56,6 +56,16 @@ class RequestResult:
     def ok(self) -> bool:
         return self.error is None
 
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> RequestResult:
+        """What `to_json` wrote."""
+        return cls(
+            session=raw["session"], turn=raw["turn"], start=raw["start"], e2e=raw["e2e"],
+            ttft=raw["ttft"], itl=list(raw["itl"]), chunks=raw["chunks"], status=raw["status"],
+            error=raw["error"], prefill_pod=raw["prefill_pod"], decode_pod=raw["decode_pod"],
+            prompt_tokens=raw["prompt_tokens"], completion_tokens=raw["completion_tokens"],
+        )  # fmt: skip
+
     def to_json(self) -> dict[str, Any]:
         return {
             "session": self.session,

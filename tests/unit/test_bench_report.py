@@ -156,3 +156,34 @@ def test_added_latency_at_concurrency_1_is_over_directs_sequential_runs() -> Non
                                           and r.phase.startswith("overhead"))
     text = "\n".join(report._overhead_section(list(rows.values())))
     assert "at concurrency 1, pdgate 0.25 ms against 0.20 ms" in text
+
+
+def test_streaming_rows_report_the_probe_clients_ttft_over_its_own_floor(tmp_path: Path) -> None:
+    runs = []
+    for kind, name, ttft, probe_ttft in (("direct", "direct", 10.0, 7.0),
+                                         ("pdgate", "pdgate", 14.0, 8.0),
+                                         ("vllm-router", "vllm-router (round_robin)", 12.0, 8.5)):
+        probe = _results(probe_ttft + 20, count=11, ttft_ms=probe_ttft)
+        results = _results(ttft + 100, ttft_ms=ttft)
+        for result in results:
+            result.chunks = 4
+        for result in probe:
+            result.chunks = 2
+        probe[-1].error = "http_503"  # not counted in the p50 nor in the chunks
+        runs.append(RunRecord("streaming", "agg", name, kind, None, "streaming", 0, 64, wall=1.0,
+                              results=results,
+                              router_cpu_s=None if kind == "direct" else 0.05, probe=probe))
+    path = tmp_path / "runs.json"
+    write_raw(path, {}, runs, [])
+    rows = {r.kind: r for r in figures.streaming_rows(read_raw(path)[1])}
+    # ttft (ms) of the ten good probe streams: t, t+1, ..., t+4 twice: p50 t+2
+    assert rows["pdgate"].probe_ttft_p50 == pytest.approx(10.0e-3)
+    assert rows["pdgate"].added_probe_ttft_p50 == pytest.approx(1.0e-3)
+    assert rows["vllm-router"].added_probe_ttft_p50 == pytest.approx(1.5e-3)
+    assert (rows["pdgate"].probe_requests, rows["pdgate"].probe_errors) == (11, 1)
+    assert rows["pdgate"].added_ttft_p50 == pytest.approx(4.0e-3)  # the generator's own
+    # every good stream's chunks, the probe's included: 50 x 4 + 10 x 2 in one second
+    assert rows["pdgate"].chunks_per_s == pytest.approx(220.0)
+    text = "\n".join(report._streaming_section(list(rows.values())))
+    assert "10.00 (1.00)" in text and "1/11" in text
+    assert "added TTFT p50 2.00x (seen by the probe client 0.67x)" in text

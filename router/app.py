@@ -39,7 +39,6 @@ from starlette.convertors import Convertor, register_url_convertor
 from router import control_errors
 from router.errors import APIError, method_not_allowed, model_not_found
 from router.http.protocol import EdgeCycle, direct_writer
-from router.proxy import Responder
 from router.request import (
     ENDPOINTS,
     ParsedRequest,
@@ -48,6 +47,7 @@ from router.request import (
     parse_request,
 )
 from router.resilience.drain import shutting_down
+from router.responder import Responder
 from router.security.limits import read_headers
 from router.state import AppState
 

@@ -39,7 +39,7 @@ def ends_done(tail: bytes) -> bool:
 
 
 class _Writer(Protocol):
-    """What `run` needs of the proxy's `Responder` (structural: no import cycle)."""
+    """What `run` needs of `router.responder.Responder` (structural: no import cycle)."""
 
     finished: bool
 

@@ -18,7 +18,7 @@ from uvicorn.server import ServerState
 
 from router.http import Edge, EdgeConfig
 from router.http.protocol import EdgeCycle, direct_writer
-from router.proxy import Responder
+from router.responder import Responder
 
 WRITES: list[bytes] = []
 

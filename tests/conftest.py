@@ -38,7 +38,13 @@ DEFAULT_MODEL = "sim-model"
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Refuse to test a stale build: a module compiled in place (setup.py) that is older
-    than its source would run the old code while the suite reads the new."""
+    than its source would run the old code while the suite reads the new.
+
+    SIGTERM (a CI job's timeout, `kill`) is taken as Ctrl-C: pytest then stops the test
+    that runs and tears down every fixture, so the simulator pods, Mooncake masters and
+    routers the tests started are stopped rather than left running without their parent.
+    """
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     from router.build import stale_modules
 
     stale = stale_modules()

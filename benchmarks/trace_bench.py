@@ -405,7 +405,7 @@ def render(results: list[tuple[dict[str, Any], list[TraceRun]]]) -> str:
         if preds:
             lines += ["Prefill-phase prediction (pdgate's calibrated model): ", "",
                       "| policy | fit a (s) | b (ms/token) | c | samples | mean abs error (s) "
-                      "| mean relative error |", "| --- | --- | --- | --- | --- | --- | --- |"]
+                      "| relative error, recent |", "| --- | --- | --- | --- | --- | --- | --- |"]
             for r in preds:
                 p = r.prediction
                 count = p.get("abs_error_count", 0.0)
@@ -416,7 +416,12 @@ def render(results: list[tuple[dict[str, Any], list[TraceRun]]]) -> str:
                     f"| {p.get('fit_samples', 0):.0f} | {mean_abs:.3f} "
                     f"| {100 * p.get('fit_error_ratio', float('nan')):.0f}% |"
                 )
-            lines += ["", "Where pdgate's CPU went (s; `pdgate_background_cpu_seconds`, thread "
+            lines += ["", "Mean abs error: over every prefill of the run "
+                      "(`pdgate_scheduler_prefill_prediction_error_seconds`). Relative error, "
+                      "recent: the router's running mean at the end of the run "
+                      "(`pdgate_scheduler_prefill_fit{term=\"error_ratio\"}`, each prefill "
+                      "weighted 0.05: about its last 20).", "",
+                      "Where pdgate's CPU went (s; `pdgate_background_cpu_seconds`, thread "
                       "CPU where the work ran):", "",
                       "| policy | router CPU | KV events | tokenizing | the rest |",
                       "| --- | --- | --- | --- | --- |"]

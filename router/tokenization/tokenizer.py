@@ -155,20 +155,29 @@ def _chunkable(spec: Mapping[str, Any]) -> bool:
     )
 
 
+#: A space between two word characters other than digits and "_" (the literal first, so
+#: the scan jumps from space to space in C): every space between two letters
+#: (`str.isalpha`) is one; `chunks` checks each candidate with `isalpha`.
+_CUT_CANDIDATE: Final = re.compile(r" (?=[^\W\d_])(?<=[^\W\d_] )")
+
+
 def chunks(piece: str, size: int = CHUNK_CHARS) -> list[str]:
     """`piece` cut at spaces between two letters, about every `size` characters from its
-    start (a piece shorter than 2 x `size` stays whole)."""
+    start (a piece shorter than 2 x `size` stays whole): each cut is the first such space
+    `size` or more characters after the one before (or the start)."""
     end = len(piece)
     if end < 2 * size:
         return [piece]
     out: list[str] = []
     start = 0
     while end - start >= 2 * size:
-        cut = piece.find(" ", start + size)
-        while 0 < cut < end - 1 and not (piece[cut - 1].isalpha() and piece[cut + 1].isalpha()):
-            cut = piece.find(" ", cut + 1)
-        if cut <= 0 or cut >= end - 1:
-            break
+        found = _CUT_CANDIDATE.search(piece, start + size, end)
+        while found is not None and not (piece[found.start() - 1].isalpha()
+                                         and piece[found.start() + 1].isalpha()):
+            found = _CUT_CANDIDATE.search(piece, found.end(), end)
+        if found is None:
+            break  # no cut left: the rest stays whole
+        cut = found.start()
         out.append(piece[start:cut])
         start = cut
     out.append(piece[start:])

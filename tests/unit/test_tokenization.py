@@ -385,3 +385,34 @@ async def test_the_pool_counts_its_jobs_thread_cpu() -> None:
         assert pool.cpu.value - first < 0.05  # an empty job adds next to nothing
     finally:
         pool.close()
+
+
+def _cut_by_definition(piece: str, size: int) -> list[str]:
+    """`chunks` restated index by index: the first space with a letter (`isalpha`) on
+    each side, `size` or more characters after the previous cut."""
+    cuts, start = [0], 0
+    while len(piece) - start >= 2 * size:
+        cut = next((i for i in range(start + size, len(piece) - 1) if piece[i] == " "
+                    and piece[i - 1].isalpha() and piece[i + 1].isalpha()), None)
+        if cut is None:
+            break
+        cuts.append(cut)
+        start = cut
+    return [piece[a:b] for a, b in zip(cuts, [*cuts[1:], len(piece)], strict=True)]
+
+
+def test_chunks_cut_at_the_first_space_between_letters_past_each_size() -> None:
+    """Letters in any script count; digits, numerals (½, Ⅻ, ²), marks and "_" do not: a
+    text with few or no such spaces is cut where the definition says, or not at all."""
+    rng = random.Random(3)
+    vocab = ["alpha", "w12", "42", "½", "x²", "Ⅻ", "東京", "naïve", "e\u0301", "_a", "a_",
+             "(b)", "Ωmega", "😀", "3.14"]
+    seps = [" ", " ", "  ", "\n", ", "]
+    for case in range(400):
+        size = rng.choice([8, 32, 128])
+        text = "".join(rng.choice(vocab) + rng.choice(seps)
+                       for _ in range(rng.randrange(20, 400)))
+        assert chunks(text, size) == _cut_by_definition(text, size), case
+    numbers = " ".join(f"w{i}" for i in range(2000))  # no space between two letters
+    assert chunks(numbers) == [numbers]
+    assert len(chunks("ab " * 2000)) > 1

@@ -208,8 +208,24 @@ class KeySpace:
         state after block start_block - 1, or `root`), and the final state."""
         size = self.block_size
         keys: list[int] = []
-        step = self.step
         plain = not (cache_salt or lora_name)
+        if self.mode == "tokens" and start_block < count:
+            # `token_key` per block, the blocks packed once (as `event_keys` does)
+            assert isinstance(state, int)
+            packed = _pack(tokens[start_block * size : count * size])
+            width = 4 * size
+            key = state
+            for offset, index in enumerate(range(start_block, count)):
+                data = packed[offset * width : (offset + 1) * width]
+                if not plain:
+                    extra = block_extra_keys(index * size, (index + 1) * size,
+                                             lora_name=lora_name, cache_salt=cache_salt)
+                    if extra is not None:
+                        data += _encode(extra)
+                key = _xxh3(data, key)
+                keys.append(key)
+            return keys, key
+        step = self.step
         for index in range(start_block, count):
             start = index * size
             extra = None if plain else block_extra_keys(

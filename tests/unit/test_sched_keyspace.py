@@ -195,3 +195,28 @@ def test_a_parent_the_router_never_saw_is_left_out_not_guessed() -> None:
     index.set_spaces({})
     index.stored("p", SCOPE, [11, 12], "GPU", parent=999)
     assert index.keys_of("p") == {11, 12}
+
+
+def test_tokens_mode_keys_resumed_block_by_block_equal_one_chain() -> None:
+    """The request path's lazy walk extends a prompt's keys a few blocks at a time; the
+    keys equal one `token_key` chain over the prompt, salted and with a LoRA too."""
+    from router.kvhash.keyspace import TOKENS_ROOT, token_key
+    from router.kvhash.vllm import block_extra_keys
+
+    space = KeySpace.of("tokens", block_size=BS)
+    rng = random.Random(11)
+    tokens = [rng.randrange(150_000) for _ in range(BS * 9 + 5)]
+    for salt, lora in ((None, None), ("tenant", None), (None, "adapter"), ("t", "a")):
+        expected, key = [], TOKENS_ROOT
+        for block in range(9):
+            extra = block_extra_keys(block * BS, (block + 1) * BS, lora_name=lora,
+                                     cache_salt=salt)
+            key = token_key(key, tokens[block * BS:(block + 1) * BS], extra)
+            expected.append(key)
+        assert space.chain(tokens, cache_salt=salt, lora_name=lora) == expected
+        keys, state = [], space.root
+        for start, end in ((0, 2), (2, 2), (2, 7), (7, 9)):
+            more, state = space.extend(tokens, start, end, state, cache_salt=salt,
+                                       lora_name=lora)
+            keys += more
+        assert keys == expected and state == expected[-1]

@@ -8,10 +8,12 @@ from __future__ import annotations
 import json
 import logging
 import random
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
+import tokenizers
 
 from engine_sim.prompts import DEFAULT_CHAT_TEMPLATE, load_tokenizer
 from router.tokenization import (
@@ -24,7 +26,7 @@ from router.tokenization import (
 )
 from router.tokenization.messages import conversation, tool_schemas
 from router.tokenization.offload import TokenizePool
-from router.tokenization.tokenizer import chunks
+from router.tokenization.tokenizer import AddedTokenSplitter, chunks
 from router.view import ServerPods, Snapshot
 from tests.sim_tokens import sim_server, sim_tokenizer
 
@@ -416,3 +418,24 @@ def test_chunks_cut_at_the_first_space_between_letters_past_each_size() -> None:
     numbers = " ".join(f"w{i}" for i in range(2000))  # no space between two letters
     assert chunks(numbers) == [numbers]
     assert len(chunks("ab " * 2000)) > 1
+
+
+def test_added_token_splitter_splits_as_the_regex_of_all_added_tokens() -> None:
+    """`AddedTokenSplitter` (a find per first character, a set lookup there) gives what
+    `re.split` of the longest-first alternation gives: on DeepSeek's 1,283 added tokens
+    with near misses, on tokens that begin other tokens, and on a set with too many first
+    characters (the regex itself)."""
+    rng = random.Random(8)
+    backend = tokenizers.Tokenizer.from_file(str(DEEPSEEK_DIR / "tokenizer.json"))
+    deepseek = [token.content for token in backend.get_added_tokens_decoder().values()]
+    few = ["[A]", "(B)", "{C}", "<D>", "|E|", "#F"]
+    nested = ["<", "<a", "<ab>", "｜", "｜｜"]  # tokens that start other tokens
+    for added, noise in ((deepseek, ["<", "｜", "<｜", "<｜User", "｜>", "<<", "東京", " w1"]),
+                         (nested, ["a", "b", ">", " "]), (few, ["[", "(", "x", " "])):
+        regex = re.compile("(" + "|".join(map(re.escape, sorted(added, key=len, reverse=True)))
+                           + ")")
+        splitter = AddedTokenSplitter(added)
+        parts = [*rng.sample(added, min(40, len(added))), *noise]
+        for case in range(3000):
+            text = "".join(rng.choice(parts) for _ in range(rng.randrange(0, 25)))
+            assert splitter.split(text) == regex.split(text), (case, text)

@@ -23,16 +23,15 @@ import argparse
 import asyncio
 import contextlib
 import http.client
-import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import orjson
 
+from benchmarks.sequential import blocking_connection
 from benchmarks.specs import RequestResult, RequestSpec
 from benchmarks.sse import ChunkKind, SSEError, SSEParser, classify
 from benchmarks.targets import HTTPTarget, RoundRobin, Target
@@ -57,13 +56,7 @@ def probe_urls(target: Target) -> list[str]:
 
 
 def _connect(base_url: str) -> http.client.HTTPConnection:
-    parts = urlsplit(base_url)
-    conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port,
-                                      timeout=REQUEST_TIMEOUT_S)
-    conn.connect()
-    assert conn.sock is not None
-    conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return conn
+    return blocking_connection(base_url, REQUEST_TIMEOUT_S)
 
 
 def _stream(conn: http.client.HTTPConnection, path: str, body: bytes,

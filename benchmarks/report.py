@@ -106,8 +106,9 @@ def _decision_section(costs: dict[str, list[float]] | None) -> list[str]:
         "server (groups of 2 prefill + 2 decode pods), the PD server with new 8 KB prompts "
         "(nothing shared: every block hashed and recorded new), and the precise profile on the PD "
         "server (the request tokenized with the real DeepSeek tokenizer and hashed as the "
-        "engine does), with a warm index and fresh engine metrics; the quietest of three "
-        "rounds.",
+        "engine does; prompts of words of letters, and again of words like `w123`, \"no "
+        "letters\", the tokenizer's worst text), with a warm index and fresh engine "
+        "metrics; the quietest of three rounds.",
         "",
     ]
     return out + _micros_table(costs, digits=1)

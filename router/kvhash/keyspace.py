@@ -36,8 +36,9 @@ from __future__ import annotations
 
 import logging
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from itertools import repeat
 from typing import Any, Final, Literal
 
 import msgspec
@@ -146,6 +147,24 @@ def token_key(parent: int, tokens: Sequence[int], extra_keys: Any = None) -> int
     return _xxh3(data, parent)
 
 
+def _token_chain(tokens: Sequence[int], block_size: int, parent: int,
+                 extras: Iterable[Any]) -> list[int]:
+    """`token_key` of each block of `tokens` in turn, each chained from the one before
+    (the first from `parent`), with `extras` the blocks' extra keys: the tokens are packed
+    once and each block is a slice of that."""
+    packed = _pack(tokens)
+    width = 4 * block_size
+    keys: list[int] = []
+    key = parent
+    for offset, extra in enumerate(extras):
+        data = packed[offset * width : (offset + 1) * width]
+        if extra is not None:
+            data += _encode(extra)
+        key = _xxh3(data, key)
+        keys.append(key)
+    return keys
+
+
 class KeySpace:
     """Block keys for one `KeySettings`: request path (`chain`) and event path
     (`event_keys`). Immutable once built; `ident` tells key spaces apart in memos."""
@@ -182,18 +201,6 @@ class KeySpace:
         vllm = replace(self.settings.vllm, block_size=block_size)
         return KeySpace(replace(self.settings, vllm=vllm))
 
-    def step(
-        self, parent: ChainState, tokens: Sequence[int], extra_keys: ExtraKeys | None
-    ) -> tuple[ChainState, int]:
-        """(chain state after one block, that block's index key)."""
-        if self.mode == "hashes":
-            assert isinstance(parent, bytes)
-            digest = self._hash_fn((parent, tuple(tokens), extra_keys))
-            return digest, event_hash(digest)
-        assert isinstance(parent, int)
-        key = token_key(parent, tokens, extra_keys)
-        return key, key
-
     def extend(
         self,
         tokens: Sequence[int],
@@ -207,33 +214,25 @@ class KeySpace:
         """Keys of blocks [start_block, count) of a prompt, chained from `state` (the
         state after block start_block - 1, or `root`), and the final state."""
         size = self.block_size
-        keys: list[int] = []
-        plain = not (cache_salt or lora_name)
-        if self.mode == "tokens" and start_block < count:
-            # `token_key` per block, the blocks packed once (as `event_keys` does)
-            assert isinstance(state, int)
-            packed = _pack(tokens[start_block * size : count * size])
-            width = 4 * size
-            key = state
-            for offset, index in enumerate(range(start_block, count)):
-                data = packed[offset * width : (offset + 1) * width]
-                if not plain:
-                    extra = block_extra_keys(index * size, (index + 1) * size,
-                                             lora_name=lora_name, cache_salt=cache_salt)
-                    if extra is not None:
-                        data += _encode(extra)
-                key = _xxh3(data, key)
-                keys.append(key)
-            return keys, key
-        step = self.step
-        for index in range(start_block, count):
-            start = index * size
-            extra = None if plain else block_extra_keys(
-                start, start + size, lora_name=lora_name, cache_salt=cache_salt
+        blocks = range(start_block, max(start_block, count))
+        extras: Iterable[ExtraKeys | None] = (
+            repeat(None, len(blocks)) if not (cache_salt or lora_name) else (
+                block_extra_keys(index * size, (index + 1) * size, lora_name=lora_name,
+                                 cache_salt=cache_salt)
+                for index in blocks
             )
-            state, key = step(state, tokens[start : start + size], extra)
-            keys.append(key)
-        return keys, state
+        )
+        if self.mode == "tokens":
+            assert isinstance(state, int)
+            keys = _token_chain(tokens[start_block * size : count * size], size, state, extras)
+            return keys, keys[-1] if keys else state
+        assert isinstance(state, bytes)
+        hashes: list[int] = []
+        for index, extra in zip(blocks, extras, strict=True):
+            state = self._hash_fn((state, tuple(tokens[index * size : (index + 1) * size]),
+                                   extra))
+            hashes.append(event_hash(state))
+        return hashes, state
 
     def chain(
         self,
@@ -266,18 +265,8 @@ class KeySpace:
         if extra_keys is not None and len(extra_keys) != count:
             return None
         lora_extra = (lora_name,) if lora_name else None
-        keys: list[int] = []
-        key = parent_key
-        packed = _pack(token_ids)  # once: each block is a slice (`token_key`, inlined)
-        width = 4 * size
-        for index in range(count):
-            extra = extra_keys[index] if extra_keys is not None else lora_extra
-            data = packed[index * width : (index + 1) * width]
-            if extra is not None:
-                data += _encode(extra)
-            key = _xxh3(data, key)
-            keys.append(key)
-        return keys
+        extras = extra_keys if extra_keys is not None else repeat(lora_extra, count)
+        return _token_chain(token_ids, size, parent_key, extras)
 
 
 __all__ = [

@@ -89,7 +89,6 @@ class Responder:
         await self.body(error.body())
 
 
-
 def stream_error_form(parsed: ParsedRequest) -> Callable[[APIError], bytes]:
     """The mid-stream form of an error in the request's stream protocol.
 

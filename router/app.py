@@ -181,7 +181,7 @@ class PDGateApp:
                 # Shed before parsing: the body is read (the connection stays usable) but
                 # no JSON is parsed, no route resolved, no counter taken.
                 if await _read_body(receive, limits.max_body_bytes) is not None:
-                    raise state.resilience.admission.refuse_saturated()
+                    await out.error(state.resilience.admission.refuse_saturated())
                 return
             raw = await _read_body(receive, limits.max_body_bytes)
             if raw is None:

@@ -87,7 +87,9 @@ class EarlyRefusal(Protocol):
     """Decides from a request's head alone whether to refuse it at once (None: serve it).
 
     `path` is the raw path (no query, not percent-decoded); `headers` as in an ASGI scope.
-    `check` counts what it refuses. `done` follows every refusal once: `answered` when
+    `check` counts what it refuses; returning the same error object for the same refusal
+    lets the listener write the answer it encoded last time (`_LastAnswer`). `done`
+    follows every refusal once: `answered` when
     the answer was written, not when the client left or its body stopped coming first
     (then a 408); `seconds` from the end of the head.
     """
@@ -96,6 +98,26 @@ class EarlyRefusal(Protocol):
               ) -> APIError | None: ...
 
     def done(self, error: APIError, seconds: float, answered: bool) -> None: ...
+
+
+class _LastAnswer:
+    """One listener's encoded answer to its last refusal from the head, written again
+    while the error and the server's default headers are the same objects (uvicorn
+    renews that list, with its `date`, once a second): under a burst of refusals the
+    answer is encoded about once a second, not once a request. One entry: the bound."""
+
+    __slots__ = ("data", "defaults", "error")
+
+    def __init__(self) -> None:
+        self.error: APIError | None = None
+        self.defaults: object = None
+        self.data = b""
+
+    def get(self, error: APIError, defaults: Sequence[tuple[bytes, bytes]]) -> bytes:
+        if error is not self.error or defaults is not self.defaults:
+            self.error, self.defaults = error, defaults
+            self.data = _answer(error, defaults, close=False)
+        return self.data
 
 
 _TOO_MANY_CONNECTIONS = _answer(APIError(
@@ -114,6 +136,7 @@ class EdgeProtocol(HttpToolsProtocol):
     edge: ClassVar[EdgeConfig]
     metrics: ClassVar[ListenerMetrics]
     refuse_early: ClassVar[EarlyRefusal | None] = None
+    last_answer: ClassVar[_LastAnswer]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -269,7 +292,7 @@ class EdgeProtocol(HttpToolsProtocol):
             self._end_refused(answered=False)
             return
         error = self._refused[0]
-        self.transport.write(_answer(error, self.server_state.default_headers, close=False))
+        self.transport.write(self.last_answer.get(error, self.server_state.default_headers))
         if self.access_log:
             self.access_logger.info('%s - "POST %s HTTP/1.1" %d', self.client,
                                     self.url.decode("latin-1"), error.status)
@@ -460,4 +483,5 @@ def protocol_class(
     """An `EdgeProtocol` bound to one listener's bounds, metrics and early refusal, for
     uvicorn's `http`."""
     return type("BoundEdgeProtocol", (EdgeProtocol,),
-                {"edge": edge, "metrics": metrics, "refuse_early": refuse_early})
+                {"edge": edge, "metrics": metrics, "refuse_early": refuse_early,
+                 "last_answer": _LastAnswer()})

@@ -28,6 +28,7 @@ from router.resilience.loop_lag import LoopLagLimit
 #: `Retry-After` of a request shed at a full bound with a full queue: at the load that
 #: fills the bound, slots free within about a second.
 SHED_RETRY_AFTER_S = 1
+SATURATED_MESSAGE = "The server is at capacity; retry later."
 
 
 @dataclass(slots=True)
@@ -61,7 +62,10 @@ class Admission:
         self.per_model: dict[str, int] = {}
         self._waiters: deque[_Waiter] = deque()
         self._retry_after = max(1, math.ceil(self.queue_timeout_s))
+        self._saturated = service_unavailable(SATURATED_MESSAGE, retry_after=SHED_RETRY_AFTER_S)
         self._rejected: Counter | None = None
+        #: The rejected counter's child per reason (a fixed handful of reasons).
+        self._rejected_by: dict[str, Counter] = {}
         self._queued: Gauge | None = None
         if registry is not None:
             self._rejected = Counter(
@@ -96,8 +100,11 @@ class Admission:
         return bool(bound) and self.inflight >= bound and len(self._waiters) >= self.max_queue
 
     def refuse_saturated(self) -> APIError:
-        return self._refuse("queue_full", "The server is at capacity; retry later.",
-                            SHED_RETRY_AFTER_S)
+        """Count a request shed at the full bound and return its 503: one error object for
+        every such refusal (answered, never raised), so that the connection layer encodes
+        its answer once and writes those bytes again (`router/http/protocol.py`)."""
+        self._count("queue_full")
+        return self._saturated
 
     def _bound_changed(self) -> None:
         ceiling = self.ceiling
@@ -126,7 +133,7 @@ class Admission:
     async def wait(self, model: str) -> None:
         """Queue for a slot; raises a 503 `APIError` when the queue is full or time runs out."""
         if len(self._waiters) >= self.max_queue:
-            raise self._refuse("queue_full", "The server is at capacity; retry later.",
+            raise self._refuse("queue_full", SATURATED_MESSAGE,
                                SHED_RETRY_AFTER_S if not self.max_queue else None)
         waiter = _Waiter(model, asyncio.get_running_loop().create_future())
         self._waiters.append(waiter)
@@ -136,8 +143,7 @@ class Admission:
                 await waiter.future
         except TimeoutError:
             self._drop(waiter)
-            raise self._refuse("queue_timeout", "The server is at capacity; retry later.") \
-                from None
+            raise self._refuse("queue_timeout", SATURATED_MESSAGE) from None
         except asyncio.CancelledError:
             if waiter.future.done() and not waiter.future.cancelled():
                 self.leave(model)  # admitted as we were cancelled: pass the slot on
@@ -176,9 +182,16 @@ class Admission:
         self._gauge()
 
     def _refuse(self, reason: str, message: str, retry_after: int | None = None) -> APIError:
-        if self._rejected is not None:
-            self._rejected.labels(reason=reason).inc()
+        self._count(reason)
         return service_unavailable(message, retry_after=retry_after or self._retry_after)
+
+    def _count(self, reason: str) -> None:
+        if self._rejected is None:
+            return
+        child = self._rejected_by.get(reason)
+        if child is None:
+            child = self._rejected_by[reason] = self._rejected.labels(reason=reason)
+        child.inc()
 
     def _gauge(self) -> None:
         if self._queued is not None:

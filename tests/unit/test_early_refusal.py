@@ -28,12 +28,15 @@ class Shed:
 
     asked: list[bytes] = field(default_factory=list)
     done_with: list[tuple[int, float, bool]] = field(default_factory=list)
+    #: One error object for every refusal, as the app's `EarlyShed` returns (None: a new
+    #: one each time).
+    shared: APIError | None = None
 
     def check(self, method: bytes, path: bytes, headers: list[tuple[bytes, bytes]]
               ) -> APIError | None:
         self.asked.append(path)
         if method == b"POST" and path == b"/v1/completions":
-            return service_unavailable("At capacity.", retry_after=1)
+            return self.shared or service_unavailable("At capacity.", retry_after=1)
         return None
 
     def done(self, error: APIError, seconds: float, answered: bool) -> None:
@@ -44,6 +47,7 @@ class Shed:
 class Server:
     port: int
     shed: Shed
+    state: ServerState  # its `default_headers` as uvicorn's loop renews them
     seen: list[str]  # the paths the ASGI app was called for
     release: asyncio.Event  # lets `/slow` answer
 
@@ -75,7 +79,7 @@ async def server() -> AsyncIterator[Server]:
     loop = asyncio.get_running_loop()
     listener = await loop.create_server(
         lambda: config.http_protocol_class(config, state, {}), "127.0.0.1", 0)
-    yield Server(listener.sockets[0].getsockname()[1], shed, seen, release)
+    yield Server(listener.sockets[0].getsockname()[1], shed, state, seen, release)
     release.set()
     listener.close()
     for conn in list(state.connections):
@@ -119,6 +123,29 @@ async def test_a_refused_request_is_answered_after_its_body_and_the_connection_s
     assert server.shed.asked == [b"/v1/completions", b"/v1/chat/completions"]
     [(status, seconds, answered)] = server.shed.done_with
     assert status == 503 and answered and 0.0 < seconds < 5.0
+    writer.close()
+
+
+async def test_refusals_of_one_shared_error_carry_the_date_of_their_second(
+    server: Server,
+) -> None:
+    """The listener writes the answer it encoded for the last refusal again only while
+    the error and uvicorn's default headers are the same objects: a new second's `date`
+    (uvicorn renews the list) or another error is encoded afresh."""
+    server.shed.shared = service_unavailable("At capacity.", retry_after=1)
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(_post("/v1/completions") * 2)
+    first, again = await _read_answers(reader, 2)
+    assert first == again and b"date: Fri, 04 Dec 2026 12:00:00 GMT\r\n" in first[0]
+    server.state.default_headers = [(b"date", b"Fri, 04 Dec 2026 12:00:01 GMT")]
+    writer.write(_post("/v1/completions"))
+    [(head, body)] = await _read_answers(reader, 1)
+    assert b"date: Fri, 04 Dec 2026 12:00:01 GMT\r\n" in head and body == first[1]
+    server.shed.shared = service_unavailable("Draining.", retry_after=2)
+    writer.write(_post("/v1/completions"))
+    [(head, body)] = await _read_answers(reader, 1)
+    assert b"retry-after: 2\r\n" in head and json.loads(body)["error"]["message"] == "Draining."
+    assert [status for status, _, _ in server.shed.done_with] == [503] * 4
     writer.close()
 
 

@@ -2,8 +2,9 @@
 
 `setup.py` compiles `COMPILED_SOURCES` with mypyc when it can (see its docstring): the
 scheduler's pick path and the indexes it reads, the code that runs once or more per
-request in pure Python arithmetic, and a stream's per-chunk work (the relay's state, the
-content check that times tokens, the usage watcher). The Python source is the one
+request in pure Python arithmetic (a request's validation, its route), and a stream's
+per-chunk work (the relay's state, the content check that times tokens, the usage
+watcher). The Python source is the one
 definition of what they do; a build without a compiler runs it as is. Stdlib only:
 setup.py reads this file.
 """
@@ -24,8 +25,12 @@ GROUP = "router.hot_path"
 COMPILED_SOURCES: tuple[str, ...] = (
     "router/load.py",
     "router/relay.py",
+    "router/request.py",
+    "router/routing.py",
+    "router/sampling_bounds.py",
     "router/tally.py",
     "router/timing.py",
+    "router/security/limits.py",
     "router/security/usage.py",
     "router/scheduling/approx_index.py",
     "router/scheduling/backlog.py",

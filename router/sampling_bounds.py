@@ -43,8 +43,8 @@ class Bound:
     """An integer or number in [lo, hi] (`lo_open`: lo itself excluded); None: unbounded."""
 
     integer: bool
-    lo: float | None = None
-    hi: float | None = None
+    lo: int | float | None = None  # an int stays exact (mypyc would make a float a double)
+    hi: int | float | None = None
     lo_open: bool = False
 
     def check(self, name: str, value: object) -> None:

@@ -48,19 +48,21 @@ class Bound:
     lo_open: bool = False
 
     def check(self, name: str, value: object) -> None:
-        kind = "an integer" if self.integer else "a number"
-        ok = not isinstance(value, bool) and (
-            isinstance(value, int) if self.integer else isinstance(value, int | float)
-        )
-        if ok and not self.integer:
-            ok = math.isfinite(value)  # type: ignore[arg-type]
-        if ok:
-            number: float = value  # type: ignore[assignment]
+        # Integers are compared as integers: a float holds 2**63 - 1 as 2**63. (Compiled,
+        # a value typed `float` is a C double, so nothing here is typed `float` alone.)
+        if isinstance(value, bool) or not isinstance(value, int | float) or (
+            self.integer and not isinstance(value, int)
+        ):
+            ok = False
+        elif isinstance(value, float) and not math.isfinite(value):
+            ok = False
+        else:
             lo, hi = self.lo, self.hi
-            ok = (lo is None or (number > lo if self.lo_open else number >= lo)) and (
-                hi is None or number <= hi
+            ok = (lo is None or (value > lo if self.lo_open else value >= lo)) and (
+                hi is None or value <= hi
             )
         if not ok:
+            kind = "an integer" if self.integer else "a number"
             raise bad_request(f"`{name}` must be {kind}{self.describe()}.", param=name)
 
     def describe(self) -> str:
@@ -85,10 +87,12 @@ class Bound:
         return out
 
 
-def _text(value: float | None) -> str:
+def _text(value: int | float | None) -> str:
     if value is None:
         return ""
-    return str(int(value)) if float(value).is_integer() else str(value)
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
 
 
 #: Fields of both endpoints, by name.

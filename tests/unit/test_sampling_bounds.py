@@ -65,6 +65,8 @@ def test_out_of_bounds_is_a_400_naming_the_field(
 
 ACCEPTED: list[tuple[str, dict[str, Any]]] = [
     (CHAT_PATH, {"n": MAX_N, "temperature": 0, "top_p": 1, "seed": -1}),
+    (CHAT_PATH, {"seed": 2**63 - 1}),  # int64's ends: a float would hold the first as 2**63
+    (CHAT_PATH, {"seed": -(2**63)}),
     (CHAT_PATH, {"logprobs": True, "top_logprobs": MAX_LOGPROBS, "top_k": -1, "min_p": 0}),
     (CHAT_PATH, {"n": None, "temperature": None, "logprobs": None, "top_k": 0}),
     (CHAT_PATH, {"temperature": 3.5, "presence_penalty": -2, "frequency_penalty": 2}),
@@ -79,3 +81,18 @@ def test_values_engines_accept_pass_unchanged(path: str, fields: dict[str, Any])
     raw = chat(**fields) if path == CHAT_PATH else completion(**fields)
     parsed = parse_request(path, raw)
     assert parsed.body == orjson.loads(raw)
+
+
+def test_the_error_names_each_bound_as_written() -> None:
+    """Integer bounds are exact in the message (2**63 - 1, not its float 2**63), and a
+    float bound keeps its decimals."""
+    with pytest.raises(APIError) as info:
+        parse_request(CHAT_PATH, chat(seed=2**63))
+    assert info.value.message == (
+        "`seed` must be an integer between -9223372036854775808 and 9223372036854775807.")
+    with pytest.raises(APIError) as info:
+        parse_request(CHAT_PATH, chat(top_p=1.5))
+    assert info.value.message == "`top_p` must be a number greater than 0 and at most 1."
+    with pytest.raises(APIError) as info:
+        parse_request(CHAT_PATH, chat(presence_penalty=2.5))
+    assert info.value.message == "`presence_penalty` must be a number between -2 and 2."

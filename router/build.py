@@ -4,9 +4,8 @@
 scheduler's pick path and the indexes it reads, the code that runs once or more per
 request in pure Python arithmetic (a request's validation, its route), and a stream's
 per-chunk work (the relay's state, the content check that times tokens, the usage
-watcher). The Python source is the one
-definition of what they do; a build without a compiler runs it as is. Stdlib only:
-setup.py reads this file.
+watcher). The Python source is the one definition of what they do; a build without a
+compiler runs it as is. Stdlib only: setup.py reads this file.
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ from router.scheduling.metrics import DecisionCounts, SchedulerMetrics
 from router.scheduling.prefill_ticket import PrefillTicket
 from router.scheduling.profile import GUARD_PENALTY, Profile, Profiles, build_profiles
 from router.scheduling.slo import Prediction, SLOGate
-from router.scheduling.ties import at_random, choose, tie_breaker, within
+from router.scheduling.ties import at_random, choose, draw_below, tie_breaker, within
 from router.tokenization import ChatInputError, prompt_chars
 from router.tokenization import Endpoint as Prompt
 from router.view import Endpoint, ServerPods
@@ -416,7 +416,7 @@ class PipelineScheduler:
         costs = profile.costs(ctx, cands)
         report = _take_report(ctx)
         guarded = profile.guard(cands, costs)
-        ties = tie_breaker(ctx, report.approx_depths, self.deps.rng.randrange)
+        ties = tie_breaker(ctx, report.approx_depths, draw_below(self.deps.rng))
         index = choose(ties, costs, profile.tolerance(ctx), cands.keys)
         predicted = (
             costs[index] + ctx.fit.predict(0.0)
@@ -459,7 +459,7 @@ class PipelineScheduler:
         ctx.role = "decode" if server.is_pd else "aggregated"
         cands = self._narrow(ctx, profile, pods, keys, avoid, 2)
         loads = cands.loads()
-        index = choose(at_random(self.deps.rng.randrange), loads, 0.0, cands.keys)
+        index = choose(at_random(draw_below(self.deps.rng)), loads, 0.0, cands.keys)
         return _Decision(Pick(decode=cands.pods[index], decode_cost=loads[index]), None, _nothing)
 
     # -- prefill/decode pairs -----------------------------------------------------------------
@@ -545,7 +545,7 @@ class PipelineScheduler:
                 if pre_profile.ttft
                 else (best_pre[name] + weight * dcost) / (1.0 + weight)
             )
-        rng_index = self.deps.rng.randrange
+        rng_index = draw_below(self.deps.rng)
         ties = tie_breaker(ctx, report.approx_depths, rng_index)
         tolerance = pre_profile.tolerance(ctx)
         group = names[choose(ties, pair_costs, tolerance, names)]

@@ -7,6 +7,7 @@ Compiled (router/build.py) with the pipeline.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Sequence
 from typing import Final
 
@@ -19,6 +20,26 @@ _xxh3 = xxhash.xxh3_64_intdigest
 _SEED_MASK: Final = (1 << 64) - 1
 #: Draws one of the tied candidates: (tied indices, every candidate's label) -> index.
 Draw = Callable[[list[int], Sequence[str | None]], int]
+
+
+def draw_below(rng: random.Random) -> Callable[[int], int]:
+    """`rng.randrange(n)` for n > 0: the same draws from the same stream, without
+    `randrange`'s interpreted frames (two a draw, about 100 opcodes). CPython's `Random`
+    draws `randrange(n)` as `getrandbits(n.bit_length())` until the value is below n
+    (`_randbelow_with_getrandbits`); seeded schedulers, and the decisions pinned in
+    `tests/fixtures/`, see the same picks (`test_draw_below_draws_what_randrange_draws`)."""
+    getrandbits = rng.getrandbits
+
+    def below(n: int) -> int:
+        if n <= 0:
+            raise ValueError("empty range for a draw")
+        bits = n.bit_length()
+        value = getrandbits(bits)
+        while value >= n:
+            value = getrandbits(bits)
+        return value
+
+    return below
 
 
 def at_random(rng_index: Callable[[int], int]) -> Draw:

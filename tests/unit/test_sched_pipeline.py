@@ -31,6 +31,7 @@ from router.scheduling.scorers import (
     RandomScorer,
     SessionAffinityScorer,
 )
+from router.scheduling.ties import draw_below
 from router.view import ClusterView, Endpoint, PDGroupPods, ServerPods
 from tests.sim_tokens import sim_tokenizer
 
@@ -901,3 +902,16 @@ def test_lock_free_decision_metrics_expose_what_prometheus_client_would() -> Non
                 assert ours.get_sample_value(s.name, s.labels) == s.value, s
                 compared += 1
     assert compared == len(DECISION_BUCKETS) + 1 + 2 + 1  # buckets, +Inf, count, sum; hits
+
+
+def test_draw_below_draws_what_randrange_draws() -> None:
+    """Ties are drawn without `randrange`'s interpreted frames, from the same stream and
+    with the same values, so a seeded scheduler picks what it picked before."""
+    for seed in range(20):
+        ours, theirs = random.Random(seed), random.Random(seed)
+        below = draw_below(ours)
+        sizes = [1 + (seed * 7 + i * 13) % 37 for i in range(200)] + [2**40 + 3, 1, 1]
+        assert [below(n) for n in sizes] == [theirs.randrange(n) for n in sizes]
+        assert ours.random() == theirs.random()  # left at the same point of the stream
+    with pytest.raises(ValueError):
+        draw_below(random.Random(0))(0)

@@ -2,13 +2,13 @@
 
 pdgate is pure Python and runs as such. The modules in `COMPILED` are the ones every
 request's scheduling decision runs through (and the KV-event index updates of the
-precise profile), a request's validation and route, and those a streamed chunk runs
-through on its way to the client; mypyc turns each into a C extension built from the
-same typed source, which makes a decision about twice as fast (`benchmarks.decision`)
-and a relayed chunk about 8% cheaper. The Python source stays the one definition of what
-the code does: without mypyc or a C compiler, with `PDGATE_COMPILE=0`, or when the build
-fails, the package installs and runs unchanged, only slower.
-`router.build.compiled_modules()` tells which modules run compiled.
+precise profile), a request's validation, route and metrics, and those a streamed chunk
+runs through on its way to the client; mypyc turns each into a C extension built from
+the same typed source, which makes a decision about twice as fast
+(`benchmarks.decision`) and a relayed chunk about 8% cheaper. The Python source stays
+the one definition of what the code does: without mypyc or a C compiler, with
+`PDGATE_COMPILE=0`, or when the build fails, the package installs and runs unchanged,
+only slower. `router.build.compiled_modules()` tells which modules run compiled.
 
     python setup.py build_ext --inplace     # what `make setup` runs after a change
 

@@ -2,10 +2,10 @@
 
 `setup.py` compiles `COMPILED_SOURCES` with mypyc when it can (see its docstring): the
 scheduler's pick path and the indexes it reads, the code that runs once or more per
-request in pure Python arithmetic (a request's validation, its route), and a stream's
-per-chunk work (the relay's state, the content check that times tokens, the usage
-watcher). The Python source is the one definition of what they do; a build without a
-compiler runs it as is. Stdlib only: setup.py reads this file.
+request in pure Python arithmetic (a request's validation, its route, the metrics it
+updates), and a stream's per-chunk work (the relay's state, the content check that times
+tokens, the usage watcher). The Python source is the one definition of what they do; a
+build without a compiler runs it as is. Stdlib only: setup.py reads this file.
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ GROUP = "router.hot_path"
 #: the whole suite passes with it compiled. `kv_wire` stays out: msgspec already decodes
 #: it in C, and mypyc's runtime type checks reject the tagged unions it decodes into.
 COMPILED_SOURCES: tuple[str, ...] = (
+    "router/histogram.py",
     "router/load.py",
+    "router/metrics.py",
     "router/relay.py",
     "router/request.py",
     "router/routing.py",

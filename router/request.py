@@ -53,23 +53,30 @@ class ApiEndpoint:
     stream_end: StreamEnd = "done"
 
 
-@dataclass(slots=True)
 class ParsedRequest:
     """A validated request: the body as a dict plus the fields routing reads.
 
     `tokens` / `prompt_tokens`: the first prompt's token ids and the token count of every
     prompt, by the chosen ModelServer's tokenizer, once someone computed them (the rate
     limiter or the scheduler, whichever needs them first); never computed twice.
+
+    A plain class, not a dataclass: one is made per request, and this module is compiled
+    (router/build.py), which compiles a written `__init__` but not a dataclass's.
     """
 
-    path: str
-    body: dict[str, Any]
-    model: str
-    stream: bool
-    include_usage: bool
-    endpoint: ApiEndpoint | None = None  # None: chat/completions built by hand (tests)
-    tokens: Sequence[int] | None = None  # the prompt's token ids, once computed
-    prompt_tokens: int | None = None  # by the server's tokenizer (rate limits)
+    __slots__ = ("body", "endpoint", "include_usage", "model", "path", "prompt_tokens",
+                 "stream", "tokens")
+
+    def __init__(self, path: str, body: dict[str, Any], model: str, stream: bool,
+                 include_usage: bool, endpoint: ApiEndpoint | None = None) -> None:
+        self.path = path
+        self.body = body
+        self.model = model
+        self.stream = stream
+        self.include_usage = include_usage
+        self.endpoint = endpoint  # None: chat/completions built by hand (tests)
+        self.tokens: Sequence[int] | None = None  # the prompt's token ids, once computed
+        self.prompt_tokens: int | None = None  # by the server's tokenizer (rate limits)
 
     @property
     def flow(self) -> Flow:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 from router.resources import ModelRoute, Rule
 from router.view import ServerPods, Snapshot
@@ -39,12 +38,21 @@ class NoRoute(RoutingError):
         self.reason = reason
 
 
-@dataclass(frozen=True, slots=True)
 class RouteDecision:
-    route: ModelRoute
-    rule: Rule
-    server: ServerPods
-    upstream_model: str  # ModelServer.model if set, else the request's model
+    """Where a request goes: its route, the rule that matched, the ModelServer's pods.
+
+    A plain class, not a frozen dataclass: one is made per request, and this module is
+    compiled (router/build.py), which compiles a written `__init__` but not a dataclass's
+    (a frozen one sets each field through `object.__setattr__`). Nothing changes it."""
+
+    __slots__ = ("route", "rule", "server", "upstream_model")
+
+    def __init__(self, route: ModelRoute, rule: Rule, server: ServerPods,
+                 upstream_model: str) -> None:
+        self.route = route
+        self.rule = rule
+        self.server = server
+        self.upstream_model = upstream_model  # ModelServer.model if set, else the request's
 
 
 def rule_matches(rule: Rule, model: str, headers: Mapping[str, str], path: str) -> bool:

@@ -76,8 +76,8 @@ class OpcodeCounter:
 
     def snapshot(self) -> dict[str, list[int]]:
         """The counts so far, by `file:line(name)`: [opcodes, calls]."""
-        return {f"{f}:{line}({name})": [self.opcodes[k], self.calls[k]]
-                for k in self.calls.keys() | self.opcodes.keys() for f, line, name in [k]}
+        return {"{}:{}({})".format(*key): [self.opcodes[key], self.calls[key]]
+                for key in self.calls.keys() | self.opcodes.keys()}
 
 
 def per_request(before: dict[str, list[int]], after: dict[str, list[int]], requests: int

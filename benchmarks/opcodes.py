@@ -2,7 +2,8 @@
 
 Latency at concurrency 1 and CPU per request move by 5-10% between rounds on a shared
 machine, more than a change of a few microseconds can show. The bytecode instructions
-(opcodes) the router's interpreter runs for a request do not move: this starts `--fast`
+(opcodes) the router's interpreter runs for a request move by a fraction of a percent
+(its periodic work, engine scrapes, falls in the window or not): this starts `--fast`
 pods and pdgate with an opcode counter in the router process (`OpcodeCounter`:
 `sys.settrace` with `f_trace_opcodes`; `python -m benchmarks.opcodes --traced-router ...`
 is that process), sends `--warm` requests from the sequential client (one keep-alive

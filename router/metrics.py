@@ -111,23 +111,23 @@ class RouterMetrics:
         if counter is None:
             counter = self._children[key] = self.requests.labels(model=model, status=str(status))
         counter.inc()  # type: ignore[attr-defined]
-        self._hist(self.duration, "d", model).observe(seconds)
+        self.duration.labels(model).observe(seconds)
 
     def first_token(self, model: str, seconds: float, laps: list[tuple[str, float]]) -> None:
         """A stream's TTFT and its phases (laps of one clock: they add up to it)."""
-        self._hist(self.ttft, "t", model).observe(seconds)
+        self.ttft.labels(model).observe(seconds)
         for phase, lap in laps:
-            self._hist(self.ttft_phase, "tp", phase).observe(lap)
+            self.ttft_phase.labels(phase).observe(lap)
 
     def inter_token(self, model: str) -> BucketCounts:
         """The ITL child of `model`, fetched once per stream."""
-        return self._hist(self.itl, "i", model)
+        return self.itl.labels(model)
 
     def output_rate(self, model: str, tokens_per_second: float) -> None:
-        self._hist(self.tokens_per_second, "o", model).observe(tokens_per_second)
+        self.tokens_per_second.labels(model).observe(tokens_per_second)
 
     def phase_done(self, phase: str, seconds: float) -> None:
-        self._hist(self.phase, "p", phase).observe(seconds)
+        self.phase.labels(phase).observe(seconds)
 
     def retry(self, model: str, phase: str) -> None:
         self.retries.labels(model=model, phase=phase).inc()
@@ -137,6 +137,3 @@ class RouterMetrics:
 
     def client_error(self, status: int, phase: str) -> None:
         self.client_errors.labels(status=str(status), phase=phase).inc()
-
-    def _hist(self, histogram: LoopHistogram, tag: str, label: str) -> BucketCounts:
-        return histogram.labels(label)  # a dict lookup: no cache of ours needed

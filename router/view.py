@@ -49,10 +49,11 @@ class Endpoint:
     role: Role
     group: str | None = None  # value of the pdGroup.groupKey label
     scheme: str = "http"
+    #: `namespace/pod_name`: made once, read several times by every request.
+    key: str = field(init=False, repr=False, compare=False)
 
-    @property
-    def key(self) -> str:
-        return f"{self.namespace}/{self.pod_name}"
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", f"{self.namespace}/{self.pod_name}")
 
     @property
     def base_url(self) -> str:

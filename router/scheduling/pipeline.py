@@ -185,6 +185,8 @@ class PipelineScheduler:
         self._slo = SLOGate(config.slo, metrics)
         #: Where picks that must not count go (a peer's request, `predict`): never exported.
         self._uncounted = DecisionCounts()
+        #: `deps.rng.randrange`'s draws, made once for every pick (`ties.draw_below`).
+        self._draw = draw_below(deps.rng)
 
     @property
     def config(self) -> SchedulerConfig:
@@ -416,7 +418,7 @@ class PipelineScheduler:
         costs = profile.costs(ctx, cands)
         report = _take_report(ctx)
         guarded = profile.guard(cands, costs)
-        ties = tie_breaker(ctx, report.approx_depths, draw_below(self.deps.rng))
+        ties = tie_breaker(ctx, report.approx_depths, self._draw)
         index = choose(ties, costs, profile.tolerance(ctx), cands.keys)
         predicted = (
             costs[index] + ctx.fit.predict(0.0)
@@ -459,7 +461,7 @@ class PipelineScheduler:
         ctx.role = "decode" if server.is_pd else "aggregated"
         cands = self._narrow(ctx, profile, pods, keys, avoid, 2)
         loads = cands.loads()
-        index = choose(at_random(draw_below(self.deps.rng)), loads, 0.0, cands.keys)
+        index = choose(at_random(self._draw), loads, 0.0, cands.keys)
         return _Decision(Pick(decode=cands.pods[index], decode_cost=loads[index]), None, _nothing)
 
     # -- prefill/decode pairs -----------------------------------------------------------------
@@ -545,7 +547,7 @@ class PipelineScheduler:
                 if pre_profile.ttft
                 else (best_pre[name] + weight * dcost) / (1.0 + weight)
             )
-        rng_index = draw_below(self.deps.rng)
+        rng_index = self._draw
         ties = tie_breaker(ctx, report.approx_depths, rng_index)
         tolerance = pre_profile.tolerance(ctx)
         group = names[choose(ties, pair_costs, tolerance, names)]

@@ -52,6 +52,11 @@ def main(argv: list[str] | None = None) -> int:
                        help="the garbage collector's young-generation threshold while "
                             "serving, with what start-up built frozen (router/gc_tuning.py); "
                             "0: CPython's defaults")
+    serve.add_argument("--busy-poll", type=float, default=0.0, metavar="MS",
+                       help="keep the event loop polling instead of sleeping while requests "
+                            "are in flight and for MS milliseconds after (router/busy_poll.py):"
+                            " less latency at low load on VMs, for up to one core while "
+                            "serving; 0 (default): off")
     _add_reliability_flags(serve)
     _add_connection_flags(serve)
     _add_scale_flags(serve)
@@ -276,6 +281,8 @@ def _serve(args: argparse.Namespace) -> int:
         resilience, security = _reliability_configs(args)
         edge = _edge_config(args, security)
         workers = parse_workers(args.workers)
+        if args.busy_poll < 0:
+            raise ValueError("--busy-poll must not be negative")
     except ValueError as exc:
         print(f"pdgate serve: {exc}", file=sys.stderr)
         return 2
@@ -303,6 +310,7 @@ def _serve(args: argparse.Namespace) -> int:
         resilience=resilience,
         security=security,
         sync=sync,
+        busy_poll_s=args.busy_poll / 1e3,
     )
     single_threaded_library()  # before any tokenizer is loaded
     try:

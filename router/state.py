@@ -13,6 +13,7 @@ from typing import Any, Final
 
 from prometheus_client import CollectorRegistry, generate_latest
 
+from router.busy_poll import BusyPoll
 from router.config_watch import ConfigWatch
 from router.errors import APIError
 from router.load import InFlight
@@ -52,6 +53,9 @@ class RouterConfig:
     security: SecurityConfig = field(default_factory=SecurityConfig)
     #: State shared with other workers and replicas (`router.sync`); None: this one only.
     sync: SyncConfig | None = None
+    #: Keep the loop polling this long after the last request in flight (0: off;
+    #: `router.busy_poll`).
+    busy_poll_s: float = 0.0
 
 
 class AppState:
@@ -71,6 +75,8 @@ class AppState:
             config.resilience, self.view, self.upstream.probe, self.registry
         )
         self.scheduler_runtime.set_ejection_hook(self.resilience.is_ejected)
+        drain = self.resilience.drain
+        self.busy_poll = BusyPoll(config.busy_poll_s, lambda: drain.active)
         self.security = Security(config.security, self.view, self.registry)
         self.tracing = tracing_from_env()
         self.proxy = Proxy(
@@ -179,6 +185,8 @@ class AppState:
         self._tasks.append(asyncio.create_task(self.scheduler_runtime.run()))
         self._tasks.append(asyncio.create_task(self.resilience.run()))
         self._tasks.append(asyncio.create_task(self.security.run()))
+        if self.busy_poll.enabled:
+            self._tasks.append(asyncio.create_task(self.busy_poll.run()))
         if self.sync is not None:
             self._tasks.append(asyncio.create_task(self.sync.run()))
         if self.worker_metrics is not None:

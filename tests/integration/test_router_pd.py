@@ -8,17 +8,20 @@ so comparing it with `expected_text(kv_from_store=True)` proves the handle trave
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
 import openai
+import psutil
 import pytest
 
 from engine_sim.generation import expected_text
 from engine_sim.mooncake_master import MooncakeMaster
 from tests.integration.harness import (
     POD_ADDRESS_PREFIX,
+    Process,
     SimCluster,
     SimPodSpec,
     free_port,
@@ -131,6 +134,49 @@ async def test_completions_streaming_and_not(client: openai.AsyncOpenAI) -> None
     )
     text = "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
     assert text == expected
+
+
+async def test_busy_poll_answers_the_same_and_idles_quietly(
+    cluster: tuple[SimCluster, int],
+) -> None:
+    """`--busy-poll`: a second router on the same pods, its loop polling while it serves
+    (router/busy_poll.py), gives the same answers; once idle it only looks now and then,
+    far from the core a polling loop takes."""
+    sim, _ = cluster
+    port = free_port()
+    router = Process(
+        [sys.executable, "-m", "router", "serve", "--config", str(sim.config_dir),
+         "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
+         "--busy-poll", "2"],
+        sim.workdir / "router-busy-poll.log",
+    )
+    router.start()
+    try:
+        wait_http(f"http://127.0.0.1:{port}/readyz")
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+                                    max_retries=0)
+        completion = await client.chat.completions.create(
+            model=MODEL, messages=QUESTION, max_tokens=12  # type: ignore[arg-type]
+        )
+        assert completion.choices[0].message.content == expected_text(
+            chat_ids(QUESTION), 12, kv_from_store=True, model=MODEL
+        )
+        stream = await client.completions.create(
+            model=MODEL, prompt=LONG_PROMPT, max_tokens=8, stream=True
+        )
+        text = "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
+        assert text == expected_text(prompt_ids(LONG_PROMPT), 8, kv_from_store=True,
+                                     model=MODEL)
+        assert router.popen is not None
+        process = psutil.Process(router.popen.pid)
+        await asyncio.sleep(0.5)  # well past the 2 ms linger
+        before = process.cpu_times()
+        await asyncio.sleep(2.0)
+        after = process.cpu_times()
+        idle = (after.user + after.system) - (before.user + before.system)
+        assert idle < 0.5, f"{idle:.2f} s of CPU in 2 s idle: still polling"
+    finally:
+        assert router.stop() == 0, router.log()
 
 
 async def test_pairs_never_cross_groups_and_load_spreads(client: openai.AsyncOpenAI) -> None:

@@ -35,10 +35,13 @@ class RouterSpec:
     kind: Kind
     policy: str | None = None
     scheduler_yaml: str | None = None  # pdgate: the scheduler config for `policy`
+    #: pdgate: more `pdgate serve` flags (named with the policy).
+    args: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
-        return self.kind if self.policy is None else f"{self.kind} ({self.policy})"
+        detail = ", ".join(filter(None, (self.policy, " ".join(self.args))))
+        return f"{self.kind} ({detail})" if detail else self.kind
 
     def supports(self, mode: Mode) -> bool:
         return not (self.kind == "sglang-router" and mode == "pd")
@@ -133,7 +136,7 @@ class RunningRouter:
                 path = self.work_dir / f"scheduler-{slug}.yaml"
                 path.write_text(self.spec.scheduler_yaml)
                 argv += ["--scheduler-config", str(path)]
-            return argv
+            return [*argv, *self.spec.args]
         metrics = ["--prometheus-port", str(free_port()), "--prometheus-host", "127.0.0.1"]
         if self.spec.kind == "sglang-router":
             return [_binary("sglang-router"), "launch", "--host", "127.0.0.1",

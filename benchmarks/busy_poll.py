@@ -32,7 +32,7 @@ from benchmarks.specs import RequestSpec
 from benchmarks.stats import minus, percentile
 from benchmarks.workloads import overhead
 
-#: Requests each router gets before the rounds (connections, caches, the JIT-less warm-up).
+#: Requests each router gets before the rounds (its connections open, its caches warm).
 WARM_REQUESTS = 300
 
 

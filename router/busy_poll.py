@@ -1,27 +1,26 @@
 """Busy polling: an event loop that does not sleep while it serves (off by default).
 
 Why. At low load every step of a request (the client's bytes, the engine's answer) finds
-the router asleep in `epoll_wait`. A virtual machine's idle vCPU halts (on this
-project's VMs at once: the guest's halt-polling window, `guest_halt_poll_ns`, is 0), the
-hypervisor may give the core to another guest, and the router wakes on cold caches:
-measured on this project's 2-vCPU VM at
-concurrency 1 (`python -m benchmarks.busy_poll`, `benchmarks/HISTORY.md` "Concurrency 1:
-the sleeping loop"), pdgate spent about 400 µs of CPU a request against about 135 µs
-under load, and added 0.34-0.37 ms (p50) to a request with the loop sleeping, 0.10-0.23
-ms with it polling (vLLM Router 0.25-0.35 ms in the same rounds). HAProxy's
-`busy-polling` option exists for the same reason.
+the router asleep in `epoll_wait`. A virtual machine's idle vCPU halts (on this project's
+VMs at once: the guest's halt-polling window, `guest_halt_poll_ns`, is 0), the hypervisor
+may give the core to another guest, and the router wakes on cold caches. Measured on this
+project's 2-vCPU VM at concurrency 1 (`python -m benchmarks.busy_poll`,
+`benchmarks/HISTORY.md` "Concurrency 1: the sleeping loop"), pdgate spent about 400 µs of
+CPU a request against about 135 µs under load, and added 0.34-0.37 ms (p50) to a request
+with the loop sleeping, 0.10-0.23 ms with it polling (vLLM Router 0.25-0.35 ms in the
+same rounds). HAProxy's `busy-polling` option exists for the same reason.
 
 What. While data requests are in flight (`in_flight`), and for `linger_s` after the last
 one ended, a task hands the loop back at every turn, so the loop always has a callback
 ready and polls its sockets with a zero timeout instead of sleeping. Each turn first
 yields the CPU to any other thread waiting for it (`sched_yield`), so that a process
 sharing the core (an engine, a client) is not held back until the scheduler's next tick;
-even so the polling router's p99 at concurrency 1 was 0.1-0.5 ms longer than the
-sleeping one's in the runs above (with the yield or without: within their spread). The
-linger covers a client's pause between one answer and its next request.
-Otherwise the task looks again every `IDLE_CHECK_S`: an idle router costs next to
-nothing, and only a request that arrives during such a pause runs with the loop sleeping
-(until the next look).
+even so the polling router's p99 at concurrency 1 was 0.1-0.5 ms longer than the sleeping
+one's in the runs above (with the yield or without: within their spread). The linger
+covers a client's pause between one answer and its next request. Otherwise the task
+looks again every `IDLE_CHECK_S`: an idle router costs next to nothing, and only a
+request that arrives during such a pause runs with the loop sleeping (until the next
+look).
 
 Cost. Up to one core per router process while it serves: CPU spent for latency. Every CPU
 figure of the router grows by it at low load; at saturation the loop never sleeps anyway

@@ -280,13 +280,23 @@ class Rendezvous:
             "num_tokens": num_tokens,
             "store_keys": list(store_keys),
         }
+        # Counted before the write: decode can see the manifest (and its client the answer)
+        # before this coroutine resumes, and the router cancels a prefill request still
+        # open when decode is done, here at this await. Taken back if the write fails;
+        # shielded, so that a cancelled request's write still settles the count.
+        self.published += 1
+        write = asyncio.ensure_future(self.transfer.store.put(
+            [manifest_key(self.transfer.model, transfer_id)], [orjson.dumps(manifest)]
+        ))
+        write.add_done_callback(self._unpublish_failed)
         try:
-            await self.transfer.store.put(
-                [manifest_key(self.transfer.model, transfer_id)], [orjson.dumps(manifest)]
-            )
+            await asyncio.shield(write)
         except KVStoreError as exc:
             raise KVTransferError("store", 500, f"KV manifest write failed: {exc}") from exc
-        self.published += 1
+
+    def _unpublish_failed(self, write: asyncio.Future[None]) -> None:
+        if write.cancelled() or write.exception() is not None:
+            self.published -= 1
 
     async def claim(self, params: RendezvousParams, block_hashes: Sequence[int]) -> ImportResult:
         """Decode: check the engine with its bootstrap server, wait for the manifest, read KV."""

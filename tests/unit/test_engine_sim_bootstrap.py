@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import aiohttp
@@ -17,6 +17,7 @@ from engine_sim.bootstrap import (
     BootstrapError,
     BootstrapFault,
     BootstrapServer,
+    Rendezvous,
     manifest_key,
     start_bootstrap,
 )
@@ -30,8 +31,8 @@ from engine_sim.kv_params import (
     TransferPlan,
     parse_kv_transfer_params,
 )
-from engine_sim.kv_transfer import KVTransferError
-from engine_sim.kvstore import MemoryKVStore
+from engine_sim.kv_transfer import KVTransferError, StoreKVTransfer
+from engine_sim.kvstore import KVStoreError, MemoryKVStore
 from engine_sim.latency import LatencyModel
 from engine_sim.protocol import Limits, parse_request
 from tests.sim_tokens import chat_ids, prompt_ids, sim_tokenizer
@@ -333,3 +334,64 @@ def test_manifest_keys_hash_the_transfer_id() -> None:
     key = manifest_key(MODEL, "xfer-" + "x" * 500 + "/../\n")
     assert key.startswith("engine_sim/xfer/v1/m/") and len(key) < 64
     assert manifest_key(MODEL, "a") != manifest_key(MODEL, "b")
+
+
+class GatedStore(MemoryKVStore):
+    """A store whose writes wait for `gate` (then fail if `fail`), noting when they start."""
+
+    def __init__(self, fail: bool = False) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+        self.started = asyncio.Event()
+        self.fail = fail
+
+    async def put(self, keys: Sequence[str], values: Sequence[bytes]) -> None:
+        self.started.set()
+        await self.gate.wait()
+        if self.fail:
+            raise KVStoreError("the store went away")
+        await super().put(keys, values)
+
+
+def _rendezvous(store: GatedStore) -> Rendezvous:
+    return Rendezvous(StoreKVTransfer(store, MODEL, 64), "eng-p")
+
+
+async def test_a_publish_counts_before_decode_can_see_it() -> None:
+    store = GatedStore()
+    rendezvous = _rendezvous(store)
+    task = asyncio.get_running_loop().create_task(rendezvous.publish("x1", ("k",), 16, "r1"))
+    await store.started.wait()
+    # The manifest is not readable yet, and the publish already counts: by the time decode
+    # reads it (and its client asks the prefill pod's stats) the count is there.
+    assert not (await store.exists([manifest_key(MODEL, "x1")]))[0]
+    assert rendezvous.published == 1
+    store.gate.set()
+    await task
+    assert rendezvous.published == 1
+
+
+async def test_a_prefill_cancelled_during_its_manifest_write_still_counts_it() -> None:
+    # The router cancels a prefill request still open when decode is done: the write
+    # lands anyway, and so does the count.
+    store = GatedStore()
+    rendezvous = _rendezvous(store)
+    task = asyncio.get_running_loop().create_task(rendezvous.publish("x2", ("k",), 16, "r2"))
+    await store.started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    store.gate.set()
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert (await store.exists([manifest_key(MODEL, "x2")]))[0]
+    assert rendezvous.published == 1
+
+
+async def test_a_failed_manifest_write_is_not_counted() -> None:
+    store = GatedStore(fail=True)
+    rendezvous = _rendezvous(store)
+    store.gate.set()
+    with pytest.raises(KVTransferError, match="manifest write failed"):
+        await rendezvous.publish("x3", ("k",), 16, "r3")
+    assert rendezvous.published == 0

@@ -225,19 +225,34 @@ class SimCluster:
     def start_router(
         self, extra: Sequence[str] = (), env: dict[str, str] | None = None
     ) -> Process:
+        """The cluster's own router (`router_url`; stopped with the cluster)."""
         self.router_port = free_port()
-        self.router = Process(
+        self.router = self.serve_router("router", extra, self.router_port, env)
+        return self.router
+
+    def serve_router(
+        self, name: str, extra: Sequence[str] = (), port: int | None = None,
+        env: dict[str, str] | None = None,
+    ) -> Process:
+        """A router on this cluster's config at `port` (default: a free one), once ready;
+        its log is `<name>.log`. Beside `start_router`, the caller stops it (one that never
+        gets ready is stopped here)."""
+        port = free_port() if port is None else port
+        process = Process(
             [
                 sys.executable, "-m", "router", "serve", "--config", str(self.config_dir),
-                "--host", "127.0.0.1", "--port", str(self.router_port), "--log-level", "warning",
-                *extra,
+                "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *extra,
             ],
-            self.workdir / "router.log",
+            self.workdir / f"{name}.log",
             env=env,
         )
-        self.router.start()
-        wait_http(f"{self.router_url}/readyz")
-        return self.router
+        process.start()
+        try:
+            wait_http(f"http://127.0.0.1:{port}/readyz")
+        except BaseException:
+            process.stop()
+            raise
+        return process
 
     def stop(self) -> None:
         if self.router is not None:

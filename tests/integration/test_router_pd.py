@@ -8,7 +8,6 @@ so comparing it with `expected_text(kv_from_store=True)` proves the handle trave
 from __future__ import annotations
 
 import asyncio
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +20,6 @@ from engine_sim.generation import expected_text
 from engine_sim.mooncake_master import MooncakeMaster
 from tests.integration.harness import (
     POD_ADDRESS_PREFIX,
-    Process,
     SimCluster,
     SimPodSpec,
     free_port,
@@ -144,15 +142,8 @@ async def test_busy_poll_answers_the_same_and_idles_quietly(
     far from the core a polling loop takes."""
     sim, _ = cluster
     port = free_port()
-    router = Process(
-        [sys.executable, "-m", "router", "serve", "--config", str(sim.config_dir),
-         "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
-         "--busy-poll", "2"],
-        sim.workdir / "router-busy-poll.log",
-    )
-    router.start()
+    router = sim.serve_router("router-busy-poll", ["--busy-poll", "2"], port)
     try:
-        wait_http(f"http://127.0.0.1:{port}/readyz")
         client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
                                     max_retries=0)
         completion = await client.chat.completions.create(

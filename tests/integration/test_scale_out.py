@@ -107,15 +107,7 @@ def pods(mooncake_master: object, tmp_path_factory: pytest.TempPathFactory) -> I
 
 
 def _router(sim: SimCluster, name: str, port: int, extra: list[str]) -> Process:
-    process = Process(
-        [sys.executable, "-m", "router", "serve", "--config", str(sim.config_dir),
-         "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
-         "--sync-ttl", str(TTL_S), *extra],
-        sim.workdir / f"{name}.log",
-    )  # fmt: skip
-    process.start()
-    wait_http(f"http://127.0.0.1:{port}/readyz")
-    return process
+    return sim.serve_router(name, ["--sync-ttl", str(TTL_S), *extra], port)
 
 
 def _two_replicas(sim: SimCluster, name: str) -> tuple[list[Process], list[str]]:

@@ -112,15 +112,16 @@ class AppState:
     ) -> tuple[str, ...] | None:
         """As the sync's leader, pick the pods for another process's new prompt (as for a
         request of its own: recorded in the index, but neither shared nor counted in the
-        decision metrics, which the asker's own pick does) and count the request on them for
-        `asker` until its own count arrives. None: unknown server, no pod, or refused by
-        the SLO gate (the asker then decides, and gates, itself)."""
+        decision metrics, which the asker's own pick does) and count the request, and its
+        prefill in the pod's backlog, on them for `asker` until its own report arrives.
+        None: unknown server, no pod, or refused by the SLO gate (the asker then decides,
+        and gates, itself)."""
         namespace, _, name = server.partition("/")
         pods = self.view.snapshot.servers.get((namespace, name))
         if pods is None:
             return None
         try:
-            request = ScheduleRequest(model, path, dict(body), {}, flow=flow, counted=False)
+            request = ScheduleRequest(model, path, dict(body), {}, flow=flow, asker=asker)
             pick = self.scheduler.pick(pods, request, frozenset())
         except APIError:
             return None

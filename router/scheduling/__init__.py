@@ -42,12 +42,19 @@ class ScheduleRequest:
     #: The pods another router process (the sync's leader) chose for this new prompt's
     #: request (`prepare`); `pick` keeps to them while they are candidates.
     placed: tuple[str, ...] | None = None
-    #: False for the pick the sync's leader makes for another process's request: recorded
-    #: in this process's index like any pick, but neither shared over the sync nor counted
-    #: in its decision metrics. The asker records and counts its own pick (had the leader's
-    #: record reached it first, its pick would take the new prompt for cached, and a sum
-    #: over processes would count the request twice).
-    counted: bool = True
+    #: The router process this pick is for when the sync's leader places another
+    #: process's new prompt (None: this process's own request). Such a pick is recorded in
+    #: this process's index like any, and its prefill queued as the asker's part of the
+    #: pod's backlog until the asker reports it, but it is neither shared over the sync
+    #: nor counted in the decision metrics: the asker records and counts its own pick (had
+    #: the leader's record reached it first, its pick would take the new prompt for
+    #: cached, and a sum over processes would count the request twice).
+    asker: str | None = None
+
+    @property
+    def counted(self) -> bool:
+        """This process's own request: its pick is shared and counted here."""
+        return self.asker is None
 
 
 class Scheduler(Protocol):

@@ -110,6 +110,15 @@ class PrefillBacklog:
             remote = self._remote[key] = {}
         remote[origin] = now + wait_s
 
+    def add_remote(self, origin: str, key: str, service_s: float, now: float) -> None:
+        """Queue a prefill of `service_s` on pod `key` as `origin`'s before it reports it
+        (a new prompt this process placed for it, `router.sync`); its next report of `key`
+        sets its true backlog there. Without it, this process's own next pick would see
+        the pod as idle as before the placement, and send a second new prompt there."""
+        remote = self._remote.get(key)
+        until = now if remote is None else max(now, remote.get(origin, now))
+        self.set_remote(origin, key, until + service_s - now, now)
+
     def drop_origin(self, origin: str) -> None:
         """`origin` went silent or restarted: its reports no longer weigh on any pod."""
         for key in [k for k, remote in self._remote.items() if origin in remote]:

@@ -572,10 +572,12 @@ class PipelineScheduler:
         def commit() -> None:
             ctx.role = "prefill"
             self._dispatched(ctx, pre_profile, pre, pi, report)
-            if ticket is not None and ctx.request.counted:
-                # (A pick for another process's request joins that process's backlog,
-                # which it reports when it dispatches: `router.sync`.)
-                ticket.dispatch()
+            if ticket is not None:
+                asker = ctx.request.asker
+                if asker is None:
+                    ticket.dispatch()
+                else:  # the asker's until it reports its own backlog (`router.sync`)
+                    ticket.dispatch_for(asker)
             ctx.role = "decode"
             for scorer in dec_profile.recorders:
                 scorer.picked(ctx, dec, di)

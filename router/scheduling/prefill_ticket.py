@@ -48,6 +48,12 @@ class PrefillTicket:
         """The request goes to the pod: its service joins the pod's backlog."""
         self._end = self._backlog.dispatch(self._key, self._service_s, self._sent, self._idle)
 
+    def dispatch_for(self, origin: str) -> None:
+        """The pick was made for another router process's request (the sync's leader
+        placing its new prompt): its service joins that process's part of the pod's
+        backlog until that process reports its own (`PrefillBacklog.add_remote`)."""
+        self._backlog.add_remote(origin, self._key, self._service_s, self._sent)
+
     def failed(self) -> None:
         """The prefill ended now without a KV handle: the pod is no longer busy with it."""
         self._backlog.finished(self._key, self._end, self._clock())

@@ -37,19 +37,19 @@ new prompt within the sync's latency would otherwise each place it before hearin
 other (it is then computed twice), and would both send their different new prompts to
 the same emptiest pod, which one process never does: it sees its first pick before its
 second. Another process asks the leader (PLACE, with the request's body), the leader picks
-as for its own request, counts the asker's request on the pods at once (the asker's own
-count replaces that within `flush_interval_s`) and answers (PLACED); the asker dispatches
-there. Questions and answers are frames of their own, unsequenced, on the workers'
-urgent lane; the leader catches up on the asker's state before it picks. An answer
-later than `place_timeout_s` (a busy, lost or partitioned leader) is not waited for:
-the asker places the prompt itself, as every process does with
-`place_timeout_s` 0. A prompt whose body does not fit one frame is placed where it
-arrived. The cost: a round trip to the leader for each new prompt another process
-receives, and one more pick at the leader (`pdgate_sync_placements_total`). That pick
-is recorded in the leader's own index but neither broadcast nor counted in its decision
-metrics: the asker records, broadcasts and counts its own pick when it dispatches, so each
-request is counted once, and the asker does not see its own new prompt as cached (which
-would price its cold prefill as a hit).
+as for its own request, counts the asker's request on the pods at once, and its prefill
+in the pod's backlog (the asker's own report replaces both within `flush_interval_s` of
+its dispatch), and answers (PLACED); the asker dispatches there. Questions and answers
+are frames of their own, unsequenced, on the workers' urgent lane; the leader catches up
+on the asker's state before it picks. An answer later than `place_timeout_s` (a busy,
+lost or partitioned leader) is not waited for: the asker places the prompt itself, as
+every process does with `place_timeout_s` 0. A prompt whose body does not fit one frame
+is placed where it arrived. The cost: a round trip to the leader for each new prompt
+another process receives, and one more pick at the leader
+(`pdgate_sync_placements_total`). That pick is recorded in the leader's own index but
+neither broadcast nor counted in its decision metrics: the asker records, broadcasts and
+counts its own pick when it dispatches, so each request is counted once, and the asker
+does not see its own new prompt as cached (which would price its cold prefill as a hit).
 
 Liveness: an origin silent for `ttl_s` is lost: its in-flight counts stop weighing on
 any pod at once, and the router carries on with what it knows itself. Prompts it routed

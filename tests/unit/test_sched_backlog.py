@@ -41,6 +41,22 @@ def test_a_late_prefill_delays_what_follows_once() -> None:
     assert backlog.wait_s("p", 4.0) == 0.0
 
 
+def test_a_placement_for_another_process_waits_for_that_process_report() -> None:
+    """`add_remote`: prefills placed for another router process queue behind what it last
+    reported there (not behind this process's own), and its next report is the truth."""
+    backlog = PrefillBacklog()
+    backlog.dispatch("p", 1.0, now=0.0, idle=True)  # this process's own
+    backlog.set_remote("peer", "p", 0.5, now=0.0)  # the peer's last report
+    backlog.add_remote("peer", "p", 2.0, now=0.2)
+    backlog.add_remote("peer", "p", 1.0, now=0.2)
+    assert backlog.own_wait_s("p", 0.2) == pytest.approx(0.8)
+    assert backlog.wait_s("p", 0.2) == pytest.approx(0.8 + 0.3 + 2.0 + 1.0)
+    backlog.set_remote("peer", "p", 2.5, now=0.4)  # it dispatched them (one ran early)
+    assert backlog.wait_s("p", 0.4) == pytest.approx(0.6 + 2.5)
+    backlog.add_remote("other", "q", 1.0, now=5.0)  # nothing reported: from now
+    assert backlog.wait_s("q", 5.5) == pytest.approx(0.5)
+
+
 def test_backlog_forgets_pods_and_stays_bounded() -> None:
     backlog = PrefillBacklog()
     backlog.dispatch("a", 1.0, 0.0, True)

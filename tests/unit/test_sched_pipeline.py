@@ -383,12 +383,13 @@ def test_a_failed_prefill_leaves_no_backlog() -> None:
 
 
 def test_a_pick_made_for_a_peer_is_recorded_but_not_counted() -> None:
-    """The leader's pick for another process's request (`counted=False`) records the
+    """The leader's pick for another process's request (`asker` set) records the
     prompt in the index like any pick, so the next request for it goes to the same pod,
     but neither shares that record nor counts the pick: the asker's own pick does both
     (a sum over processes counts the request once, and the asker does not see its own new
-    prompt as cached before it sends it), nor observes it in the mean prefill or queues
-    its prefill in this process's backlog (the asker reports its own backlog)."""
+    prompt as cached before it sends it), nor observes it in the mean prefill. Its prefill
+    is queued as the asker's part of the pod's backlog, not this process's own (which is
+    what this process reports)."""
     rt = runtime()
     server = pd_server({f"g{i}": ([f"p{i}"], [f"d{i}"]) for i in range(3)})
     registry = rt.metrics.registry
@@ -403,20 +404,44 @@ def test_a_pick_made_for_a_peer_is_recorded_but_not_counted() -> None:
     shared: list[str] = []
     rt.approx.listener = lambda key, hashes: shared.append(key)
     for_peer = request(system="Tenant 1 system prompt. " * 90)
-    for_peer.counted = False
+    for_peer.asker = "peer"
     mean = rt.deps.estimator.mean_uncached_tokens
     placed = computes_on(rt, server, for_peer)
     assert counted() == [0.0, 0.0, 0.0]
     # Nor does it move this process's mean prefill (the asker's pick observes the request).
     assert rt.deps.estimator.mean_uncached_tokens == mean
-    assert rt.deps.backlog.wait_s(f"default/{placed}", rt.clock()) == 0.0
+    backlog = rt.deps.backlog
+    assert backlog.own_wait_s(f"default/{placed}", rt.clock()) == 0.0
+    assert backlog.wait_s(f"default/{placed}", rt.clock()) > 0.0  # the asker's, for now
     assert shared == []  # the asker shares its own record when it sends the request
     own = request(system="Tenant 1 system prompt. " * 90, question="And of Spain?")
     assert computes_on(rt, server, own) == placed  # the peer's pick is in the index
-    assert rt.deps.backlog.wait_s(f"default/{placed}", rt.clock()) > 0.0
+    assert backlog.own_wait_s(f"default/{placed}", rt.clock()) > 0.0
     after = counted()
     assert after[0] == 1 and after[1] > 0, after
     assert shared == [f"default/{placed}"]
+
+
+def test_new_prompts_placed_for_a_peer_weigh_on_the_next_pick_as_ones_own() -> None:
+    """Where the leader placed other processes' new prompts is busy for its own next pick
+    until the askers report: four new prompts at once, three placed for a peer and one
+    of the leader's own, start on four pods, as one process would place four of its own.
+    (A placement that queued nothing left the pod looking idle, and a tie sent a second
+    new prompt after the first: two replicas computed on one pod while another idled.)"""
+    rt = runtime()
+    server = pd_server({f"g{i}": ([f"p{i}"], [f"d{i}"]) for i in range(4)})
+    started = []
+    for tenant in range(3):
+        for_peer = request(system=f"Tenant {tenant} system prompt. " * 90)
+        for_peer.asker = "peer"
+        started.append(computes_on(rt, server, for_peer))
+    started.append(computes_on(rt, server, request(system="Tenant 3 system prompt. " * 90)))
+    assert sorted(started) == ["p0", "p1", "p2", "p3"], started
+    # The asker's report of its own backlog replaces what the leader queued for it.
+    backlog, now = rt.deps.backlog, rt.clock()
+    for name in started[:3]:
+        backlog.set_remote("peer", f"default/{name}", 0.0, now)
+        assert backlog.wait_s(f"default/{name}", now) == 0.0
 
 
 def test_precise_prefix_cache_counts_store_hits_at_a_factor() -> None:

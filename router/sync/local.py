@@ -8,11 +8,12 @@ each sender's frames of one lane in order.
 Two lanes, because what wakes a worker is what its sync costs:
 
 - **state** (`config.local_address`): in-flight counts, routed prompts, ejections,
-  heartbeats, engine scrapes. Never read by the event loop's reader callback: the worker
-  reads what is queued (`drain`) when it is about to use it (before every pick, through
-  `SyncNode.catch_up`) and otherwise every `SyncConfig.catch_up_s`. A pick so sees every
-  frame sent before it, and a frame costs a `recv` and its apply, not a wake-up of the
-  event loop. At 300 requests/s over `--workers 2` every request sent one or two frames
+  heartbeats, engine scrapes. The worker reads what is queued (`drain`) when it is about
+  to use it (before every pick, through `SyncNode.catch_up`) and otherwise
+  `SyncConfig.catch_up_s` after its last read; only a worker that found nothing there
+  then waits for a frame with the event loop's reader callback (`watch`). A pick so sees
+  every frame sent before it, and a frame costs a `recv` and its apply, not a wake-up of
+  the event loop. At 300 requests/s over `--workers 2` every request sent one or two frames
   and each woke the other worker's idle loop: 1.37x one process's CPU a request, against
   1.15x for two processes sharing nothing; read at the pick, 1.19x-1.40x against
   1.19x-1.39x (`benchmarks/results/2026-12-05-sync-lanes/`).
@@ -126,6 +127,7 @@ class LocalChannel:
         if loop is None or state is None or urgent is None:
             return
         loop.remove_reader(urgent.fileno())
+        loop.remove_reader(state.fileno())  # if `watch`ed
         for lane in self._siblings.values():
             for sibling in lane:
                 sibling.close(loop)
@@ -149,6 +151,18 @@ class LocalChannel:
         """Read the state lane's queued frames (at most `MAX_FRAMES_PER_READ`), each to
         `on_frame`; how many were read."""
         return self._read(self._state)
+
+    def watch(self, on_waiting: Callable[[], None] | None) -> None:
+        """Call `on_waiting` from the event loop whenever a state-lane frame waits to be
+        read (it should `drain`); None stops it. What `SyncNode` sleeps on when no pick
+        has read the lane for a while and nothing was waiting."""
+        loop, state = self._loop, self._state
+        if loop is None or state is None:
+            return
+        if on_waiting is None:
+            loop.remove_reader(state.fileno())
+        else:
+            loop.add_reader(state.fileno(), on_waiting)
 
     def held(self) -> int:
         """Frames waiting for a sibling whose queue was full."""

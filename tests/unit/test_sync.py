@@ -23,7 +23,7 @@ from router.scheduling.metrics_scraper import EngineMetricsStore, MetricsScraper
 from router.sync import SyncConfig, SyncNode
 from router.sync import messages as m
 from router.sync.exposition import merge
-from router.sync.local import MAX_FRAME_BYTES
+from router.sync.local import MAX_FRAME_BYTES, LocalChannel
 from router.sync.peers import parse_peers, slice_addresses
 from router.sync.workers import available_cpus, cgroup_cpus, parse_workers
 from router.view import ClusterView, Endpoint
@@ -506,3 +506,37 @@ async def test_an_idle_worker_catches_up_by_itself(tmp_path: Path) -> None:
         for worker in (one, two):
             worker.task.cancel()
         await asyncio.gather(one.task, two.task, return_exceptions=True)
+
+
+async def test_an_idle_worker_sleeps_on_its_socket_until_a_frame_comes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nobody picks on worker 0 and nothing arrives: its backstop stops reading the state
+    lane after one read finds nothing (a timer every `catch_up_s` read it 50 times a second
+    for nothing), and a sibling's frame is then read as it arrives."""
+    reads = {0: 0, 1: 0}
+    drain = LocalChannel.drain
+
+    def counted(channel: LocalChannel) -> int:
+        reads[channel.config.worker] += 1
+        return drain(channel)
+
+    monkeypatch.setattr(LocalChannel, "drain", counted)
+    one, two = Worker(tmp_path, 0, catch_up_s=0.01), Worker(tmp_path, 1, catch_up_s=0.01)
+    try:
+        await asyncio.sleep(0.2)  # start-up frames read, the backstop gone quiet
+        before = reads[0]
+        await asyncio.sleep(0.3)  # thirty catch-up intervals
+        assert reads[0] - before <= 1, reads
+        two.inflight.acquire(POD_A)  # sent at the next turn
+        await _turns(10)  # no timer between: the socket's reader callback read it
+        assert one.inflight.get(POD_A) == 1
+        await asyncio.sleep(0.2)
+        before = reads[0]
+        await asyncio.sleep(0.3)
+        assert reads[0] - before <= 1, reads  # quiet again
+    finally:
+        for worker in (one, two):
+            worker.task.cancel()
+        await asyncio.gather(one.task, two.task, return_exceptions=True)
+    assert not _socket_files(tmp_path)

@@ -397,8 +397,8 @@ class SyncNode:
         """No catch-up for `catch_up_s` (nobody picks here): read what waits. If anything
         did, look again in `catch_up_s`; if nothing did, sleep on the socket until a frame
         comes (`LocalChannel.watch`) instead of waking every `catch_up_s` to find none: an
-        idle `--workers 2` woke 217 times a second against 103 for two processes sharing
-        nothing, and used 5.0% of a core against 3.3% (`benchmarks/HISTORY.md`)."""
+        idle `--workers 2` woke about 217 times a second against 100 for two processes
+        sharing nothing, and used 4% of a core against 3% (`benchmarks/HISTORY.md`)."""
         self._backstop = None
         if self._read_state():
             self._keep_backstop()

@@ -112,8 +112,9 @@ class AppState:
     ) -> tuple[str, ...] | None:
         """As the sync's leader, pick the pods for another process's new prompt (as for a
         request of its own: recorded in the index, but neither shared nor counted in the
-        decision metrics, which the asker's own pick does) and count the request, and its
-        prefill in the pod's backlog, on them for `asker` until its own report arrives.
+        decision metrics, which the asker's own pick does) and count the request in flight
+        on them for `asker` until its own report arrives. (Its prefill joins the pod's
+        backlog as the asker's in the pick itself, which `ScheduleRequest.asker` tells.)
         None: unknown server, no pod, or refused by the SLO gate (the asker then decides,
         and gates, itself)."""
         namespace, _, name = server.partition("/")

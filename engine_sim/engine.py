@@ -217,7 +217,9 @@ class Engine:
                 )
             seed = local_seed(token_ids)
 
-        lease = self.cache.acquire(hashes, token_ids, request.cache_salt)
+        # Its new blocks' `BlockStored` go out once the compute that fills them is done
+        # (vLLM publishes a step's events after the step: `prefix_cache.py`).
+        lease = self.cache.acquire(hashes, token_ids, request.cache_salt, defer_stored=True)
         claim = self.pending.claim(lease.block_hashes, writes_from=hit_blocks)
         total_blocks = -(-(num_tokens + request.max_tokens) // size)
         private = max(0, total_blocks - len(lease.block_hashes))
@@ -245,6 +247,7 @@ class Engine:
                 await pause(beside - reads_s)
                 await self.compute.run(self.latency.compute_seconds(num_tokens - computed))
             finally:
+                self.cache.publish(lease)  # computed, or given up: the cache holds them
                 self.pending.release(claim)
             handle: dict[str, Any] | None = None
             if writing is not None:

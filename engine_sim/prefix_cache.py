@@ -12,6 +12,14 @@ Rules, as in vLLM's block pool:
 - running requests also hold private blocks (partial tail, output): they take capacity
   too but are never shared; the simulator never preempts, so it over-commits instead;
 - usage = blocks in use / capacity (cached but evictable blocks count as free).
+
+When events go out: vLLM caches a prompt's new blocks when the scheduler allocates them
+for a step, and publishes the step's `BlockStored` after that step ran
+(`Scheduler.update_from_output` takes the KV cache manager's events and publishes them):
+a router hears of a block once the prefill that computes it is done. The engine acquires
+with `defer_stored` and publishes the lease's blocks (`publish`) when its compute ends;
+a prompt prefilled in several chunks (past `max_num_batched_tokens`) would be published
+chunk by chunk, here all at its end. Evictions are published at once.
 """
 
 from __future__ import annotations
@@ -34,10 +42,12 @@ class _Block:
 
 @dataclass(frozen=True, slots=True)
 class CacheLease:
-    """The leading blocks of one prompt that a request holds, and their block ids."""
+    """The leading blocks of one prompt that a request holds, and their block ids;
+    `stored`: the events of the blocks it cached, when they wait for `publish`."""
 
     block_hashes: tuple[int, ...]
     block_ids: tuple[int, ...]
+    stored: tuple[BlockStored, ...] = ()
 
 
 class PrefixCache:
@@ -88,16 +98,19 @@ class PrefixCache:
         block_hashes: Sequence[int],
         token_ids: Sequence[int],
         cache_salt: str | None = None,
+        defer_stored: bool = False,
     ) -> CacheLease:
         """Hold a prompt's blocks, caching the missing ones (evicting LRU blocks for room).
 
         Stops at the first block that finds no room: a block without its parent is useless.
         `token_ids` (the prompt's tokens) and `cache_salt` are used only for `BlockStored`
-        events.
+        events, sent at once or (`defer_stored`) kept in the lease for `publish`.
         """
         held: list[int] = []
         ids: list[int] = []
+        stored: list[BlockStored] = []
         stored_from: int | None = None
+        publishing = self._on_event is not None
         for index, block_hash in enumerate(block_hashes):
             block = self._blocks.get(block_hash)
             if block is None:
@@ -113,14 +126,26 @@ class PrefixCache:
             block.ref_count += 1
             held.append(block_hash)
             ids.append(block.block_id)
-            if stored_from is not None and (
+            if publishing and stored_from is not None and (
                 index + 1 == len(block_hashes) or block_hashes[index + 1] in self._blocks
             ):
-                self._emit_stored(block_hashes, token_ids, stored_from, index + 1, cache_salt)
+                stored.append(self._stored(block_hashes, token_ids, stored_from, index + 1,
+                                           cache_salt))
                 stored_from = None
-        if stored_from is not None:
-            self._emit_stored(block_hashes, token_ids, stored_from, len(held), cache_salt)
-        return CacheLease(tuple(held), tuple(ids))
+        if publishing and stored_from is not None:
+            stored.append(self._stored(block_hashes, token_ids, stored_from, len(held),
+                                       cache_salt))
+        lease = CacheLease(tuple(held), tuple(ids), tuple(stored))
+        if defer_stored:
+            return lease
+        self.publish(lease)
+        return CacheLease(lease.block_hashes, lease.block_ids)
+
+    def publish(self, lease: CacheLease) -> None:
+        """Send the `BlockStored` events a `defer_stored` lease kept (once per lease)."""
+        if self._on_event is not None:
+            for event in lease.stored:
+                self._on_event(event)
 
     def release(self, lease: CacheLease) -> None:
         """Drop a request's hold; blocks nobody holds become evictable, tail first."""
@@ -166,24 +191,20 @@ class PrefixCache:
             self._on_event(BlockRemoved((block_hash,)))
         return True
 
-    def _emit_stored(
+    def _stored(
         self,
         block_hashes: Sequence[int],
         token_ids: Sequence[int],
         start: int,
         end: int,
         cache_salt: str | None,
-    ) -> None:
-        if self._on_event is None or end <= start:
-            return
+    ) -> BlockStored:
         size = self.block_size
-        self._on_event(
-            BlockStored(
-                block_hashes=tuple(block_hashes[start:end]),
-                parent_block_hash=block_hashes[start - 1] if start > 0 else None,
-                token_ids=tuple(token_ids[start * size : end * size]),
-                block_size=size,
-                first_block=start,
-                cache_salt=cache_salt,
-            )
+        return BlockStored(
+            block_hashes=tuple(block_hashes[start:end]),
+            parent_block_hash=block_hashes[start - 1] if start > 0 else None,
+            token_ids=tuple(token_ids[start * size : end * size]),
+            block_size=size,
+            first_block=start,
+            cache_salt=cache_salt,
         )

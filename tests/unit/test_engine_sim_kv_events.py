@@ -415,6 +415,25 @@ async def test_engine_publishes_store_writes_with_the_mooncake_medium(rig: Rig) 
     assert rig.publisher.last_seq == published
 
 
+async def test_a_prompts_blocks_are_published_once_its_prefill_is_computed(rig: Rig) -> None:
+    """vLLM publishes a step's `BlockStored` after the step ran (`update_from_output`), so
+    a router hears of a prompt's blocks when its prefill is done, not when it starts: while
+    the prompt holds the compute line nothing of it is published."""
+    compute = LatencyModel(prefill_overhead_s=0.0, prefill_per_token_s=0.002, itl_base_s=0.0,
+                           itl_per_running_s=0.0)
+    engine = _engine(rig.publisher, MemoryKVStore(), latency=compute)
+    prompt = "one two three four " * 20  # 160 tokens: 0.32 s of compute
+    running = asyncio.create_task(_prefill(engine, prompt))
+    await eventually(lambda: engine.cache.num_cached > 0)  # its blocks are taken
+    for _ in range(10):
+        await tick()
+    assert rig.publisher.last_seq == -1 and not running.done()
+    await running
+    await tick()
+    stored = [e for e in decode_batch((await rig.recv())[2]) if isinstance(e, Stored)]
+    assert stored[0].medium == "GPU" and len(stored[0].block_hashes) == 10
+
+
 async def test_store_prefix_cache_reads_what_another_pod_wrote() -> None:
     store = MemoryKVStore()
     writer = _engine(None, store)

@@ -54,6 +54,22 @@ def test_match_acquire_release_and_hits() -> None:
     assert events == [BlockStored((other[2],), other[1], (50, 51, 52, 53), BS, first_block=2)]
 
 
+def test_deferred_blocks_are_published_when_told_and_evictions_at_once() -> None:
+    events: list[CacheEvent] = []
+    cache = PrefixCache(capacity_blocks=3, block_size=BS, on_event=events.append)
+    first = list(range(8))
+    first_hashes = hash_prompt_blocks(first, BS)
+    cache.release(cache.acquire(first_hashes, first))
+    events.clear()
+    second = list(range(100, 108))
+    second_hashes = hash_prompt_blocks(second, BS)
+    lease = cache.acquire(second_hashes, second, defer_stored=True)
+    assert events == [BlockRemoved((first_hashes[1],))]  # room made now, as vLLM does
+    assert cache.match(second_hashes) == 2  # held and hit by the cache meanwhile
+    cache.publish(lease)
+    assert events[1:] == [BlockStored(tuple(second_hashes), None, tuple(second), BS)]
+
+
 def test_lru_eviction_tail_first_and_held_blocks_stay() -> None:
     events: list[CacheEvent] = []
     cache = PrefixCache(capacity_blocks=3, block_size=BS, on_event=events.append)

@@ -89,6 +89,7 @@ class AppState:
             outliers=self.resilience.outliers,
             approx=self.scheduler_runtime.approx, engines=self.scheduler_runtime.engines,
             scraper=self.scheduler_runtime.scraper, view=self.view, registry=self.registry,
+            prefilling=self.scheduler_runtime.deps.inflight_prefixes,
         )
         if self.sync is not None:  # new prompts are placed by the sync's leader
             self.sync.placer = self._place_for_peer

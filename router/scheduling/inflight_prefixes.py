@@ -25,14 +25,18 @@ second behind one system prompt, a thousand records would share the first block)
 `MAX_RECORDS` records in all (the oldest is dropped first); lapsed ones are dropped as new
 ones arrive and skipped by lookups.
 
-Local to one router process: the other workers and replicas learn a placement through
-`router.sync` (approximate index) or, for the precise index, from the same KV events.
+With several router processes (`router.sync`), `listener` hears every local record and
+the others apply it (`apply_remote`): a prompt one worker or replica sent is in flight to
+that pod in every process's view until its events come, as in one process. Without it a
+sibling saw the pod busy with that prompt (its in-flight count is shared) and nothing of
+its prefix, and sent the next prompt of the group to another pod. What a pod has stored
+needs no sync: every process reads the engines' own events.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Final
 
 #: Bound on the prompts recorded at once (one per dispatched request until its prefill's
@@ -59,17 +63,30 @@ class _Record:
 class InFlightPrefixes:
     """Per dispatched prompt: (pod, approximate block hashes, expiry)."""
 
-    __slots__ = ("_by_first", "_order")
+    __slots__ = ("_by_first", "_order", "listener")
 
     def __init__(self) -> None:
         self._by_first: dict[int, dict[str, deque[_Record]]] = {}
         self._order: deque[_Record] = deque()
+        #: Hears each local record: (pod, hashes, seconds until its prefill's predicted end).
+        self.listener: Callable[[str, list[int], float], None] | None = None
 
     def record(self, pod: str, hashes: list[int], ready_at: float, now: float) -> None:
         """The prompt of `hashes` was sent to `pod`; its prefill is predicted to end at
         `ready_at`."""
         if not hashes:
             return
+        self.apply_remote(pod, hashes, ready_at - now, now)
+        if self.listener is not None:
+            self.listener(pod, hashes, max(0.0, ready_at - now))
+
+    def apply_remote(self, pod: str, hashes: list[int], ready_in_s: float, now: float) -> None:
+        """Another router process sent this prompt to `pod`, its prefill predicted to end
+        `ready_in_s` from now (`record` without telling `listener`; a duration, not a
+        time, because the sender's clock may be another host's)."""
+        if not hashes:
+            return
+        ready_at = now + ready_in_s
         self._expire(now)
         if len(self._order) >= MAX_RECORDS:
             self._drop(self._order.popleft())

@@ -3,8 +3,9 @@
 Every router process ("origin": a host id and a worker index) publishes the decisions
 that change what another process should see: its in-flight count per pod (and with it
 the seconds of prefill it sent there and predicts are not done), the prompt
-block hashes it sent to a pod (the approximate prefix index), pods it ejected or
-readmitted, and (worker 0 only) the engines' scraped `/metrics`. The others apply them.
+block hashes it sent to a pod (the approximate prefix index, or the precise index's
+record of a prompt still prefilling), pods it ejected or readmitted, and (worker 0 only)
+the engines' scraped `/metrics`. The others apply them.
 Where a prompt no pod holds starts is decided by one process, the leader (the lowest live
 origin), which the others ask (`node.py`, "New prompts").
 

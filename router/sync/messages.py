@@ -20,6 +20,11 @@ A frame batches every message one event-loop turn produced. Messages, tagged by 
                                       the origin asks `leader` to place a new prompt's
                                       request (`ask`: the origin's number for it)
     (PLACED, asker, ask, [pod, ...])  `leader`'s answer to `asker` (no pods: none)
+    (PREFILLING, pod, [hash, ...], ready_in_s)
+                                      the origin sent a prompt with these approximate
+                                      block hashes to `pod` for the precise index, its
+                                      prefill predicted to end in `ready_in_s` seconds
+                                      (`InFlightPrefixes`: until the engine's KV events)
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ ENGINE: Final = 3
 HEARTBEAT: Final = 4
 PLACE: Final = 5
 PLACED: Final = 6
+PREFILLING: Final = 7
 
 Message = tuple[Any, ...]
 

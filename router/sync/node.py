@@ -19,12 +19,12 @@ receiver sees the gap in the sender's sequence):
 
 Publishing never waits: a local change (in-flight count, routed prompt, ejection, engine
 scrape) is queued and the queue goes out as ONE frame. A decision another process must
-see before its next pick (a routed prompt, an ejection, a pod this process had nothing
-on turning busy) is flushed at the next turn of the event loop; other counts and scrapes
-go with the frame of this process's next pick (`catch_up` sends them at the next turn,
-where the pick's own changes join them) or after `flush_interval_s` (5 ms), whichever
-comes first, so every request of that window shares one send and in-flight counts are
-coalesced per pod (only the latest count is sent). Flushing everything at the next turn
+see before its next pick (a routed or prefilling prompt, an ejection, a pod this process
+had nothing on turning busy) is flushed at the next turn of the event loop; other counts
+and scrapes go with the frame of this process's next pick (`catch_up` sends them at the
+next turn, where the pick's own changes join them) or after `flush_interval_s` (5 ms),
+whichever comes first, so every request of that window shares one send and in-flight
+counts are coalesced per pod (only the latest count is sent). Flushing everything at the next turn
 sent a frame on almost every turn under load (acquire and release of prefill and decode
 happen on different turns): one send, and one wake-up of every other process, each
 time. (A 20 ms window, so that a busy process would send nearly all of them with a pick
@@ -78,6 +78,7 @@ from router.load import InFlight
 from router.resilience.ejection import OutlierDetector
 from router.scheduling.approx_index import ApproximatePrefixIndex
 from router.scheduling.backlog import PrefillBacklog
+from router.scheduling.inflight_prefixes import InFlightPrefixes
 from router.scheduling.metrics_scraper import EngineLoad, EngineMetricsStore, MetricsScraper
 from router.sync import messages as m
 from router.sync.config import SyncConfig
@@ -132,6 +133,7 @@ class SyncNode:
         scraper: MetricsScraper,
         view: ClusterView,
         registry: CollectorRegistry,
+        prefilling: InFlightPrefixes | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         config.validate()
@@ -141,6 +143,7 @@ class SyncNode:
         self.backlog = backlog
         self.outliers = outliers
         self.approx = approx
+        self.prefilling = prefilling
         self.engines = engines
         self.metrics = SyncMetrics(registry)
         self.metrics.info.labels(origin=self.origin).set(1)
@@ -170,6 +173,8 @@ class SyncNode:
         inflight.listener = self._on_inflight
         backlog.listener = self._on_backlog
         approx.listener = self._on_route
+        if prefilling is not None:
+            prefilling.listener = self._on_prefilling
         outliers.listener = self._on_eject
         if config.workers > 1:
             if config.leader:
@@ -202,6 +207,9 @@ class SyncNode:
 
     def _on_route(self, key: str, hashes: Sequence[int]) -> None:
         self._queue(self._pending, (m.ROUTE, key, list(hashes)), soon=True)
+
+    def _on_prefilling(self, key: str, hashes: list[int], ready_in_s: float) -> None:
+        self._queue(self._pending, (m.PREFILLING, key, hashes, ready_in_s), soon=True)
 
     def _on_eject(self, key: str, backoff: float) -> None:
         self._queue(self._pending, (m.EJECT, key, backoff), soon=True)
@@ -454,6 +462,9 @@ class SyncNode:
         elif kind == m.ROUTE:
             if message[1] in self._endpoints:
                 self.approx.apply_remote(message[1], message[2])
+        elif kind == m.PREFILLING:
+            if self.prefilling is not None and message[1] in self._endpoints:
+                self.prefilling.apply_remote(message[1], message[2], float(message[3]), now)
         elif kind == m.HEARTBEAT:
             self.inflight.replace_remote(origin, dict(message[1]))
         elif kind == m.PLACE:

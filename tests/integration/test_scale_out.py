@@ -30,6 +30,7 @@ from benchmarks.scale_out import _PodsOnly
 from benchmarks.sched_policies import (
     DECODE_FLAGS,
     PolicyCluster,
+    Prompt,
     SharedPrefix,
     policy_document,
     prefill_flags,
@@ -70,6 +71,11 @@ DROPPED_WITHIN_S = TTL_S + DEFAULT_HEARTBEAT_S
 OBSERVE_SLACK_S = 0.7
 #: 6 system prompts x 4 questions: the precise-index test's traffic (fills the caches).
 PRECISE_WORKLOAD = SharedPrefix(groups=6, questions=4, system_tokens=1024, seed=7)
+#: The prefilling test's pods, and its groups: two questions each, behind a system prompt
+#: whose prefill (about 2 s at 1 ms a token) outlasts the sync's latency many times over.
+PREFILLING_NET = loopback_net()
+PREFILLING_WORKLOAD = SharedPrefix(groups=3, questions=2, system_tokens=2048, seed=11)
+PREFILLING_FLAGS = (*prefill_flags(capacity_blocks=1024), "--prefill-per-token-ms", "1.0")
 #: Seconds workers get to drain and exit once their supervisor is gone (nothing in flight).
 ORPHAN_EXIT_S = 10.0
 #: Requests and scrapes of the one-exposition test.
@@ -447,6 +453,70 @@ async def test_precise_index_is_the_same_in_two_routers_without_any_sync(
         finally:
             for router in routers:
                 assert router.stop() == 0, router.log()[-3000:]
+
+
+async def test_a_replica_sees_the_prompts_the_other_is_prefilling(
+    mooncake_master: MooncakeMaster, tmp_path: Path
+) -> None:
+    """The precise index learns a pod's blocks from the engine's events, sent once the
+    prefill has stored them; until then the router that sent a prompt holds it as in
+    flight to that pod. Two peered replicas share that record: the next question of a
+    group, sent to the other replica while the first is still prefilling, goes to the
+    first's pod (as in one process) instead of to an idle pod."""
+    async with _PodsOnly(
+        tmp_path, groups=3, subnet=PREFILLING_NET, prefill_flags=PREFILLING_FLAGS,
+        decode_flags=DECODE_FLAGS, policy="precise-prefix-cache",
+        mooncake=(mooncake_master.rpc_address, mooncake_master.metadata_url),
+    ) as cluster:
+        argv = ["--config", str(cluster.config_dir), "--scheduler-config",
+                str(cluster.scheduler_file), "--sync-ttl", str(TTL_S)]
+        ports, syncs = [free_port(), free_port()], [free_port(), free_port()]
+        routers = [
+            _router_argv(tmp_path, f"prefilling-{i}", ports[i], [
+                *argv, "--sync-port", str(syncs[i]), "--peers", f"127.0.0.1:{syncs[1 - i]}"])
+            for i in range(2)
+        ]
+        urls = [f"http://127.0.0.1:{p}" for p in ports]
+        prefill_pods = {f"default/{pod.name}" for pod in cluster.prefill_pods}
+        try:
+            await wait_ready(urls, 2)
+            groups: dict[int, list[Prompt]] = {}
+            for prompt in shared_prefix(PREFILLING_WORKLOAD):
+                groups.setdefault(prompt.group, []).append(prompt)
+            pairs = []
+            async with aiohttp.ClientSession() as http:
+                for first, second in groups.values():
+                    blocks = await asyncio.to_thread(_precise_blocks, urls[1])
+                    sent = asyncio.create_task(
+                        stream_chat(http, urls[0], first.body(SCHED_MODEL, 2, "fill")))
+                    await _busy_in_view(urls[1], prefill_pods)
+                    # Still prefilling: no event of it has reached the other replica.
+                    assert await asyncio.to_thread(_precise_blocks, urls[1]) == blocks
+                    after = await stream_chat(http, urls[1], second.body(SCHED_MODEL, 2, "fill"))
+                    before = await sent
+                    assert before.status == after.status == 200, (before, after)
+                    assert before.completed and after.completed, (before, after)
+                    pairs.append((before.prefill, after.prefill))
+                    await assert_all_zero(urls, 2)
+            assert all(one == two for one, two in pairs), pairs
+            assert len({one for one, _ in pairs}) > 1, pairs  # the groups spread over pods
+        finally:
+            for router in routers:
+                assert router.stop() == 0, router.log()[-3000:]
+
+
+def _precise_blocks(url: str) -> float:
+    return dict(metric_values(_metrics_once(url), "pdgate_prefix_index_blocks")
+                )['{index="precise"}']
+
+
+async def _busy_in_view(url: str, pods: set[str]) -> None:
+    """Until the router at `url` sees a request in flight on one of `pods`."""
+    deadline = time.monotonic() + 10
+    while not any(n for pod, n in seen_inflight(
+            await asyncio.to_thread(_metrics_once, url)).items() if pod in pods):
+        assert time.monotonic() < deadline, "the other replica's request never showed"
+        await asyncio.sleep(0.005)
 
 
 async def cached_tokens(

@@ -18,6 +18,7 @@ from router.resilience.config import ResilienceConfig
 from router.resilience.ejection import OutlierDetector
 from router.scheduling.approx_index import ApproximatePrefixIndex
 from router.scheduling.backlog import PrefillBacklog
+from router.scheduling.inflight_prefixes import EVENT_GRACE_S, InFlightPrefixes
 from router.scheduling.metrics import SchedulerMetrics
 from router.scheduling.metrics_scraper import EngineMetricsStore, MetricsScraper
 from router.sync import SyncConfig, SyncNode
@@ -50,6 +51,7 @@ class Node:
         self.backlog = PrefillBacklog()
         self.outliers = OutlierDetector(ResilienceConfig(), clock=clock)
         self.approx = ApproximatePrefixIndex()
+        self.prefilling = InFlightPrefixes()
         self.engines = EngineMetricsStore()
         scraper = MetricsScraper(self.engines, SchedulerMetrics(registry))
         self.node = SyncNode(
@@ -57,6 +59,7 @@ class Node:
             backlog=self.backlog,
             outliers=self.outliers, approx=self.approx, engines=self.engines,
             scraper=scraper, view=ClusterView(), registry=registry, clock=clock,
+            prefilling=self.prefilling,
         )
         self.node._endpoints = {e.key: e for e in (POD_A, POD_B)}
         self.frames: list[bytes] = []
@@ -225,6 +228,28 @@ def test_routes_and_ejections_reach_the_peer(pair: tuple[Node, Node, Clock]) -> 
     one.outliers.probe_result(POD_B, ok=True)
     one.deliver_to(two)
     assert not two.outliers.is_ejected(POD_B.key)
+
+
+def test_a_prompt_prefilling_for_the_precise_index_reaches_the_peer(
+    pair: tuple[Node, Node, Clock],
+) -> None:
+    """The precise index's record of a prompt on its way into a pod's cache (until the
+    engine's KV events) holds in the other process too, for as long as in the sender: a
+    sibling's next prompt of the group sees the prefix on that pod, not only its load."""
+    one, two, clock = pair
+    keys = [POD_A.key, POD_B.key]
+    one.prefilling.record(POD_B.key, [5, 6, 7], ready_at=clock.now + 0.5, now=clock.now)
+    one.deliver_to(two)
+    assert two.prefilling.depths(keys, [5, 6, 9], clock.now) == [0, 2]
+    assert not two.frames  # applying is not re-publishing
+    lapse = clock.now + 0.5 + EVENT_GRACE_S
+    assert one.prefilling.depths(keys, [5, 6], lapse - 0.01) == [0, 2]
+    assert two.prefilling.depths(keys, [5, 6], lapse - 0.01) == [0, 2]
+    assert two.prefilling.depths(keys, [5, 6], lapse + 0.01) is None
+    # A pod the receiver does not serve is not recorded.
+    one.prefilling.record("default/elsewhere", [8], ready_at=clock.now, now=clock.now)
+    one.deliver_to(two)
+    assert two.prefilling.depths(["default/elsewhere"], [8], clock.now) is None
 
 
 def _know_each_other(one: Node, two: Node) -> None:

@@ -71,13 +71,15 @@ class InFlightPrefixes:
         #: Hears each local record: (pod, hashes, seconds until its prefill's predicted end).
         self.listener: Callable[[str, list[int], float], None] | None = None
 
-    def record(self, pod: str, hashes: list[int], ready_at: float, now: float) -> None:
+    def record(self, pod: str, hashes: list[int], ready_at: float, now: float,
+               share: bool = True) -> None:
         """The prompt of `hashes` was sent to `pod`; its prefill is predicted to end at
-        `ready_at`."""
+        `ready_at`. `share`: tell `listener` (the other router processes); not for the
+        pick made for another process, which records it itself when it sends the request."""
         if not hashes:
             return
         self.apply_remote(pod, hashes, ready_at - now, now)
-        if self.listener is not None:
+        if share and self.listener is not None:
             self.listener(pod, hashes, max(0.0, ready_at - now))
 
     def apply_remote(self, pod: str, hashes: list[int], ready_in_s: float, now: float) -> None:

@@ -60,6 +60,7 @@ from router.scheduling.context import (
     SchedulerDeps,
     ServerCosts,
 )
+from router.scheduling.kv_events import scope_of
 from router.scheduling.metrics import DecisionCounts, SchedulerMetrics
 from router.scheduling.prefill_ticket import PrefillTicket
 from router.scheduling.profile import GUARD_PENALTY, Profile, Profiles, build_profiles
@@ -249,18 +250,39 @@ class PipelineScheduler:
             )
 
     def _is_new(self, server: ServerPods, request: ScheduleRequest) -> bool:
-        """Whether no candidate holds a block of this request's prompt, by the approximate
-        index, for a pick the approximate prefix scorer takes part in (see `router.sync`:
-        where such a prompt starts is the leader's decision)."""
+        """Whether no candidate holds a block of this request's prompt, for a pick a prefix
+        scorer takes part in (see `router.sync`: where such a prompt starts is the
+        leader's decision): by the approximate index, or by the precise one (no candidate
+        and no pool holds its first block, and no prompt sharing it is on its way into a
+        candidate's cache)."""
         if _one_pod(server, request.flow):
             return False
         profiles = self._profiles
-        profile = profiles.prefill if server.is_pd else profiles.aggregated
-        if not profile.config.uses("prefix-cache"):
-            return False
-        hashes = self._prompt(server, request).approx_hashes()
+        config = (profiles.prefill if server.is_pd else profiles.aggregated).config
+        deps = self.deps
+        prompt = self._prompt(server, request)
         keys = self._layout(server).keys
-        return bool(hashes) and bool(keys) and not any(self.deps.approx.match(keys, hashes))
+        approx = prompt.approx_hashes()
+        if not approx or not keys:
+            return False
+        if config.uses("prefix-cache") or (
+            config.uses("precise-prefix-cache")
+            and deps.fallback is not None
+            and deps.fallback.reason(server.server) is not None
+        ):
+            return not any(deps.approx.match(keys, approx))
+        if not config.uses("precise-prefix-cache"):
+            return False
+        if deps.inflight_prefixes.depths(keys, approx, self._clock()) is not None:
+            return False
+        scope = scope_of(server)
+        precise = deps.precise
+        space = precise.space(scope) or deps.hasher.space
+        hashes = prompt.leading_hashes(space, precise.known(scope))
+        if not hashes:  # nobody holds its first block (or it has none: not new)
+            return prompt.token_count() >= space.block_size
+        local, reach = precise.match(keys, scope, hashes[:1])
+        return not any(local) and not any(reach)
 
     async def _tokenize(self, server: ServerPods, request: ScheduleRequest) -> None:
         deps = self.deps

@@ -9,6 +9,8 @@ index's blocks and the engine's reported capacity when `precise-prefix-cache` ra
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
+from typing import Any
 
 import pytest
 
@@ -90,6 +92,47 @@ def test_a_second_prompt_follows_the_first_before_the_engine_reports_its_blocks(
     later.now = time.monotonic() + 60.0
     PrecisePrefixCacheScorer(1.0, rt.deps, {"storeHitFactor": 0.0}).score(later, cands)
     assert later.precise_held == [0, 0]
+
+
+def test_a_record_made_for_another_process_is_not_told_to_the_others() -> None:
+    """The leader's pick for a peer's new prompt records it here; the asker tells everyone
+    when it sends the request, so the leader's record is not shared (`share`)."""
+    table = InFlightPrefixes()
+    told: list[tuple[str, list[int], float]] = []
+    table.listener = lambda pod, hashes, ready_in_s: told.append((pod, hashes, ready_in_s))
+    table.record("default/a", [1, 2], ready_at=10.5, now=10.0)
+    table.record("default/b", [3], ready_at=10.5, now=10.0, share=False)
+    assert told == [("default/a", [1, 2], 0.5)]
+    assert table.depths(["default/a", "default/b"], [3], 10.2) == [0, 1]
+
+
+async def test_the_leader_places_a_new_prompt_under_the_precise_index_too() -> None:
+    """With other router processes (`router.sync`), a prompt no candidate or pool holds by
+    the precise index, and that no prompt on its way into a cache shares, is the leader's
+    to place, as under the approximate index; the next prompt of its group, while the
+    first is prefilling, is placed here (it follows the first)."""
+    rt = runtime(PRECISE_THEN_LOAD)
+    server = pd_server({f"g{i}": ([f"p{i}"], [f"d{i}"]) for i in range(3)})
+    asked: list[str] = []
+
+    async def place(key: str, model: str, path: str, flow: str,
+                    body: Mapping[str, Any]) -> tuple[str, ...] | None:
+        asked.append(key)
+        return ("default/p2", "default/d2")
+
+    rt.deps.place = place
+    system = "Tenant 7 system prompt. " * 90
+    new = request(system=system)
+    await rt.scheduler.prepare(server, new)
+    assert new.placed == ("default/p2", "default/d2") and asked == ["default/pd"]
+    assert computes_on(rt, server, new) == "p2"
+    follow = request("And the capital of Spain?", system=system)
+    await rt.scheduler.prepare(server, follow)
+    assert follow.placed is None and len(asked) == 1
+    assert computes_on(rt, server, follow) == "p2"
+    other = request(system="Tenant 8 system prompt. " * 90)
+    await rt.scheduler.prepare(server, other)
+    assert other.placed is not None and len(asked) == 2
 
 
 def test_cache_pressure_reads_the_precise_index_and_the_engines_capacity() -> None:

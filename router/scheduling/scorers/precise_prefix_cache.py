@@ -124,5 +124,6 @@ class PrecisePrefixCacheScorer(Scorer):
             record_approximate(ctx, cands, index, self.deps)
             return
         self.deps.inflight_prefixes.record(
-            cands.keys[index], ctx.prompt.approx_hashes(), ctx.ready_at, ctx.now
+            cands.keys[index], ctx.prompt.approx_hashes(), ctx.ready_at, ctx.now,
+            ctx.request.counted,
         )

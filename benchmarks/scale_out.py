@@ -1,6 +1,7 @@
 """One router process vs `--workers 2` vs two peer replicas, same pods, same requests.
 
     .venv/bin/python -m benchmarks.scale_out [--rounds 2] [--no-fast]
+                                             [--policy precise-prefix-cache]
 
 The simulated PD cluster of `benchmarks.sched_policies` (prefill pods with a small KV
 cache, so where a prompt goes decides whether it hits), and the router as real
@@ -519,7 +520,7 @@ async def bench_workloads(args: argparse.Namespace, workdir: Path) -> dict[tuple
     loads = workloads(args)
     pooled: dict[tuple[str, str], Run] = {}
     async with _PodsOnly(workdir, groups=args.groups, prefill_flags=prefill_flags(),
-                         decode_flags=DECODE_FLAGS) as cluster:
+                         decode_flags=DECODE_FLAGS, policy=args.policy) as cluster:
         config = ["--config", str(cluster.config_dir),
                   "--scheduler-config", str(cluster.scheduler_file)]
         for round_index in range(args.rounds):
@@ -684,7 +685,7 @@ async def bench(args: argparse.Namespace) -> None:
           f"multi-round: {args.users} users x {args.chat_rounds} rounds "
           f"(system ~{args.chat_system_tokens} tokens); {args.groups} PD groups; "
           f"{args.concurrency} keep-alive connections; {args.rounds} rounds pooled; "
-          f"load average {psutil.getloadavg()[0]:.1f}\n")
+          f"policy {args.policy}; load average {psutil.getloadavg()[0]:.1f}\n")
     if pooled:
         print(workload_table(pooled))
     if fast is not None:
@@ -709,6 +710,11 @@ def main() -> None:
     parser.add_argument("--chat-rounds", type=int, default=5, help="rounds per chat")
     parser.add_argument("--chat-system-tokens", type=int, default=768)
     parser.add_argument("--concurrency", type=int, default=6)
+    parser.add_argument("--policy", default="prefix-cache",
+                        choices=("prefix-cache", "precise-prefix-cache"),
+                        help="the routers' scheduling policy (benchmarks.sched_policies): "
+                             "the default profile, or its precise index in place of the "
+                             "approximate one (KV events from every pod)")
     parser.add_argument("--fast-requests", type=int, default=1500)
     parser.add_argument("--fast-concurrency", type=int, default=32)
     parser.add_argument("--fast-pods", type=int, default=2, help="aggregated --fast pods")

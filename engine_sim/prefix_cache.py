@@ -142,7 +142,7 @@ class PrefixCache:
         return CacheLease(lease.block_hashes, lease.block_ids)
 
     def publish(self, lease: CacheLease) -> None:
-        """Send the `BlockStored` events a `defer_stored` lease kept (once per lease)."""
+        """Send the `BlockStored` events a `defer_stored` lease kept (call it once a lease)."""
         if self._on_event is not None:
             for event in lease.stored:
                 self._on_event(event)

@@ -259,20 +259,18 @@ class PipelineScheduler:
             return False
         profiles = self._profiles
         config = (profiles.prefill if server.is_pd else profiles.aggregated).config
+        by_approx, by_precise = config.uses("prefix-cache"), config.uses("precise-prefix-cache")
+        if not (by_approx or by_precise):
+            return False
         deps = self.deps
         prompt = self._prompt(server, request)
         keys = self._layout(server).keys
         approx = prompt.approx_hashes()
         if not approx or not keys:
             return False
-        if config.uses("prefix-cache") or (
-            config.uses("precise-prefix-cache")
-            and deps.fallback is not None
-            and deps.fallback.reason(server.server) is not None
-        ):
+        fallback = deps.fallback
+        if by_approx or (fallback is not None and fallback.reason(server.server) is not None):
             return not any(deps.approx.match(keys, approx))
-        if not config.uses("precise-prefix-cache"):
-            return False
         if deps.inflight_prefixes.depths(keys, approx, self._clock()) is not None:
             return False
         scope = scope_of(server)

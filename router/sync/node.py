@@ -24,9 +24,9 @@ had nothing on turning busy) is flushed at the next turn of the event loop; othe
 and scrapes go with the frame of this process's next pick (`catch_up` sends them at the
 next turn, where the pick's own changes join them) or after `flush_interval_s` (5 ms),
 whichever comes first, so every request of that window shares one send and in-flight
-counts are coalesced per pod (only the latest count is sent). Flushing everything at the next turn
-sent a frame on almost every turn under load (acquire and release of prefill and decode
-happen on different turns): one send, and one wake-up of every other process, each
+counts are coalesced per pod (only the latest count is sent). Flushing everything at the
+next turn sent a frame on almost every turn under load (acquire and release of prefill and
+decode happen on different turns): one send, and one wake-up of every other process, each
 time. (A 20 ms window, so that a busy process would send nearly all of them with a pick
 and wake for none, saved no CPU the scale-out bench could see, for counts up to 20 ms
 staler: not kept.) A batch that would encode larger than `MAX_FRAME_BYTES` goes out as

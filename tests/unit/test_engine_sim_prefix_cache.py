@@ -54,12 +54,17 @@ def test_match_acquire_release_and_hits() -> None:
     assert events == [BlockStored((other[2],), other[1], (50, 51, 52, 53), BS, first_block=2)]
 
 
-def test_deferred_blocks_are_published_when_told_and_evictions_at_once() -> None:
+def _served(first: list[int]) -> tuple[PrefixCache, list[CacheEvent], list[int]]:
+    """A 3-block cache that held `first` and let it go: (cache, its events, its hashes)."""
     events: list[CacheEvent] = []
     cache = PrefixCache(capacity_blocks=3, block_size=BS, on_event=events.append)
-    first = list(range(8))
     first_hashes = hash_prompt_blocks(first, BS)
     cache.release(cache.acquire(first_hashes, first))
+    return cache, events, first_hashes
+
+
+def test_deferred_blocks_are_published_when_told_and_evictions_at_once() -> None:
+    cache, events, first_hashes = _served(list(range(8)))
     events.clear()
     second = list(range(100, 108))
     second_hashes = hash_prompt_blocks(second, BS)
@@ -71,11 +76,7 @@ def test_deferred_blocks_are_published_when_told_and_evictions_at_once() -> None
 
 
 def test_lru_eviction_tail_first_and_held_blocks_stay() -> None:
-    events: list[CacheEvent] = []
-    cache = PrefixCache(capacity_blocks=3, block_size=BS, on_event=events.append)
-    first = list(range(12))
-    first_hashes = hash_prompt_blocks(first, BS)
-    cache.release(cache.acquire(first_hashes, first))
+    cache, events, first_hashes = _served(list(range(12)))
     second = list(range(100, 108))
     second_hashes = hash_prompt_blocks(second, BS)
     events.clear()

@@ -230,6 +230,12 @@ class SchedulerDeps:
     #: every pick. None: no other router process.
     catch_up: Callable[[], None] | None = None
 
+    def precise_fallen_back(self, server: ModelServer) -> bool:
+        """Whether the precise scorer scores `server` with the approximate index instead
+        (`fallback`: its tokens cannot be trusted)."""
+        fallback = self.fallback
+        return fallback is not None and fallback.reason(server) is not None
+
 
 class PromptInfo:
     """The request's prompt, hashed lazily and at most once per request."""

@@ -268,8 +268,7 @@ class PipelineScheduler:
         approx = prompt.approx_hashes()
         if not approx or not keys:
             return False
-        fallback = deps.fallback
-        if by_approx or (fallback is not None and fallback.reason(server.server) is not None):
+        if by_approx or deps.precise_fallen_back(server.server):
             return not any(deps.approx.match(keys, approx))
         if deps.inflight_prefixes.depths(keys, approx, self._clock()) is not None:
             return False
@@ -290,7 +289,7 @@ class PipelineScheduler:
             or request.tokens is not None
             or pool is None
             or not self._profiles.precise
-            or (deps.fallback is not None and deps.fallback.reason(server.server) is not None)
+            or deps.precise_fallen_back(server.server)
         ):
             return
         if prompt_chars(_endpoint(request.path, request.body), request.body) < pool.min_chars:

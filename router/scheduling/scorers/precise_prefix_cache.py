@@ -61,8 +61,7 @@ class PrecisePrefixCacheScorer(Scorer):
     PARAMS: ClassVar = {"storeHitFactor": Param(float, 0.7, 0.0, 1.0)}
 
     def _fallen_back(self, ctx: PickContext) -> bool:
-        fallback = self.deps.fallback
-        return fallback is not None and fallback.reason(ctx.server.server) is not None
+        return self.deps.precise_fallen_back(ctx.server.server)
 
     def score(self, ctx: PickContext, cands: Candidates) -> list[float]:
         if self._fallen_back(ctx):

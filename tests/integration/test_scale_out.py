@@ -506,6 +506,7 @@ async def test_a_replica_sees_the_prompts_the_other_is_prefilling(
 
 
 def _precise_blocks(url: str) -> float:
+    """The blocks the router at `url` holds in its precise index."""
     return dict(metric_values(_metrics_once(url), "pdgate_prefix_index_blocks")
                 )['{index="precise"}']
 
@@ -534,11 +535,7 @@ async def _same_precise_blocks(urls: list[str]) -> None:
     deadline = time.monotonic() + 10
     last: list[float] = []
     while True:
-        counts = [
-            dict(metric_values(await asyncio.to_thread(_metrics_once, url),
-                               "pdgate_prefix_index_blocks"))['{index="precise"}']
-            for url in urls
-        ]
+        counts = [await asyncio.to_thread(_precise_blocks, url) for url in urls]
         if counts[0] == counts[1] > 0 and counts == last:
             return
         assert time.monotonic() < deadline, f"precise index blocks differ: {counts}"

@@ -24,7 +24,7 @@ from typing import Final, Literal
 from benchmarks.cluster import Mode, SimCluster
 from benchmarks.procs import ManagedProcess, ResourceMeter
 from benchmarks.targets import DirectPDTarget, HTTPTarget, RoundRobin, Target
-from engine_sim.ports import free_port
+from engine_sim.ports import free_port, free_ports
 
 Kind = Literal["direct", "pdgate", "vllm-router", "sglang-router"]
 ROUTER_STARTUP_SECONDS: Final = 60.0
@@ -137,7 +137,10 @@ class RunningRouter:
                 path.write_text(self.spec.scheduler_yaml)
                 argv += ["--scheduler-config", str(path)]
             return [*argv, *self.spec.args]
-        metrics = ["--prometheus-port", str(free_port()), "--prometheus-host", "127.0.0.1"]
+        # Not `port` again (a port just freed may be handed out twice): of two distinct
+        # free ports, at least one is another.
+        metrics_port = next(p for p in free_ports(2) if p != port)
+        metrics = ["--prometheus-port", str(metrics_port), "--prometheus-host", "127.0.0.1"]
         if self.spec.kind == "sglang-router":
             return [_binary("sglang-router"), "launch", "--host", "127.0.0.1",
                     "--port", str(port), "--policy", policy or "cache_aware",

@@ -82,8 +82,7 @@ from benchmarks.sched_policies import (
     stream_chat,
 )
 from benchmarks.workloads import MultiRoundParams, multi_round
-from engine_sim.ports import common_free_port as free_port
-from engine_sim.ports import wait_http
+from engine_sim.ports import free_ports, wait_http
 
 SETUPS: Final = ("one process", "--workers 2", "2 replicas")
 #: The control of the router-bound part: two routers that share nothing (no sync).
@@ -209,7 +208,7 @@ async def start_routers(
     """`config`: the `--config` (and `--scheduler-config`) flags of every process."""
     base = [sys.executable, "-m", "router", "serve", *config, "--host", "127.0.0.1",
             "--log-level", "warning"]  # fmt: skip
-    ports = [free_port(), free_port()]
+    ports = free_ports(2)
     if setup == "one process":
         argvs = [[*base, "--port", str(ports[0])]]
     elif setup == "--workers 2":
@@ -217,7 +216,7 @@ async def start_routers(
     elif setup == UNSYNCED:
         argvs = [[*base, "--port", str(ports[i])] for i in range(2)]
     else:
-        syncs = [free_port(), free_port()]
+        syncs = free_ports(2)
         argvs = [[*base, "--port", str(ports[i]), "--sync-port", str(syncs[i]),
                   "--peers", f"127.0.0.1:{syncs[1 - i]}"] for i in range(2)]
     procs = []

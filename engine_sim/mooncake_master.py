@@ -20,13 +20,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 
-from engine_sim.ports import accepts, free_port
+from engine_sim.ports import accepts, free_ports
 
 BINARY_NAME = "mooncake_master"
 #: Attempts when ports we picked turn out to be taken by the time the master binds them.
 START_ATTEMPTS = 3
 _LOG_TAIL_BYTES = 4000
-#: How long a new master must stay alive before its open ports are believed to be its own.
+#: How long a new master must stay alive once its ports accept before they are believed
+#: to be its own.
 _SETTLE_S = 0.3
 
 
@@ -118,10 +119,15 @@ class MooncakeMaster:
         raise MooncakeMasterError(last_error)
 
     def _pick_ports(self) -> None:
+        """Free ports for those not given, distinct: a master whose RPC and metrics ports
+        were one port served its admin page there, passed the readiness check on it and
+        shut down a second later, when its RPC server could not bind."""
         rpc, metadata, metrics = self._want
-        self.rpc_port = rpc or free_port(self.host)
-        self.metadata_port = metadata or free_port(self.host)
-        self.metrics_port = metrics or free_port(self.host)
+        # Six distinct, so that three remain that are none of the ports given.
+        fresh = (p for p in free_ports(6, self.host) if p not in self._want)
+        self.rpc_port = rpc or next(fresh)
+        self.metadata_port = metadata or next(fresh)
+        self.metrics_port = metrics or next(fresh)
 
     def _launch(self, binary: Path, timeout_s: float) -> None:
         assert self.log_path is not None
@@ -142,14 +148,14 @@ class MooncakeMaster:
                 args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 preexec_fn=self.preexec_fn,
             )
-        started = time.monotonic()
-        deadline = started + timeout_s
+        deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise MooncakeMasterError(self._failure(f"exited with {self.process.returncode}"))
             if accepts(self.host, self.rpc_port) and accepts(self.host, self.metadata_port):
-                # Another process may hold a port we picked: then ours dies on bind, soon.
-                time.sleep(max(0.0, started + _SETTLE_S - time.monotonic()))
+                # Another process may hold a port we picked: then ours dies on bind, soon
+                # after its first ports open (it opens them one server at a time).
+                time.sleep(_SETTLE_S)
                 if self.process.poll() is None:
                     return
                 continue

@@ -18,6 +18,20 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` distinct ports that were free a moment ago: bound all at once, so no two
+    are the same (`free_port` called twice may return one port twice, the kernel free to
+    hand a just-closed port out again)."""
+    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind((host, 0))
+        return [int(sock.getsockname()[1]) for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
 def accepts(host: str, port: int, timeout_s: float = 0.5) -> bool:
     """Whether something accepts TCP connections at host:port right now."""
     try:

@@ -39,6 +39,7 @@ from benchmarks.sched_policies import (
 )
 from benchmarks.sched_policies import MODEL as SCHED_MODEL
 from engine_sim.mooncake_master import MooncakeMaster
+from engine_sim.ports import free_ports
 from router.sync.config import DEFAULT_HEARTBEAT_S
 from tests.integration.harness import (
     Process,
@@ -118,8 +119,7 @@ def _router(sim: SimCluster, name: str, port: int, extra: list[str]) -> Process:
 
 def _two_replicas(sim: SimCluster, name: str) -> tuple[list[Process], list[str]]:
     """Two router replicas peered over their sync ports: (processes, base URLs)."""
-    ports = [free_port(), free_port()]
-    syncs = [free_port(), free_port()]
+    ports, syncs = free_ports(2), free_ports(2)
     routers = [
         _router(sim, f"{name}-{i}", ports[i],
                 ["--sync-port", str(syncs[i]), "--peers", f"127.0.0.1:{syncs[1 - i]}"])
@@ -426,7 +426,7 @@ async def test_precise_index_is_the_same_in_two_routers_without_any_sync(
         write_yaml(cluster.scheduler_file, [policy_document("precise-prefix-cache", profiles)])
         argv = ["--config", str(cluster.config_dir), "--scheduler-config",
                 str(cluster.scheduler_file)]
-        ports = [free_port(), free_port()]
+        ports = free_ports(2)
         routers = [_router_argv(tmp_path, f"precise-{i}", ports[i], argv) for i in range(2)]
         urls = [f"http://127.0.0.1:{p}" for p in ports]
         try:
@@ -470,7 +470,7 @@ async def test_a_replica_sees_the_prompts_the_other_is_prefilling(
     ) as cluster:
         argv = ["--config", str(cluster.config_dir), "--scheduler-config",
                 str(cluster.scheduler_file), "--sync-ttl", str(TTL_S)]
-        ports, syncs = [free_port(), free_port()], [free_port(), free_port()]
+        ports, syncs = free_ports(2), free_ports(2)
         routers = [
             _router_argv(tmp_path, f"prefilling-{i}", ports[i], [
                 *argv, "--sync-port", str(syncs[i]), "--peers", f"127.0.0.1:{syncs[1 - i]}"])

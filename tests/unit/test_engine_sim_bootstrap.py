@@ -34,17 +34,12 @@ from engine_sim.kv_params import (
 from engine_sim.kv_transfer import KVTransferError, StoreKVTransfer
 from engine_sim.kvstore import KVStoreError, MemoryKVStore
 from engine_sim.latency import LatencyModel
+from engine_sim.ports import free_port
 from engine_sim.protocol import Limits, parse_request
 from tests.sim_tokens import chat_ids, prompt_ids, sim_tokenizer
 
 MODEL = "m"
 PROMPT = "Tell me a story about rivers and mountains. " * 6  # several full KV blocks
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 async def get(url: str) -> tuple[int, bytes]:

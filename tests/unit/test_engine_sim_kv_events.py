@@ -28,6 +28,7 @@ from engine_sim.kv_events_pub import (
 from engine_sim.kv_params import parse_kv_transfer_params
 from engine_sim.kvstore import MemoryKVStore
 from engine_sim.latency import LatencyModel
+from engine_sim.ports import free_port, free_ports
 from engine_sim.prefix_cache import PrefixCache
 from engine_sim.prompts import STAND_IN
 from engine_sim.protocol import parse_request
@@ -87,17 +88,11 @@ class VKVEventBatch(VBatch):
 _vllm_decoder = msgspec.msgpack.Decoder(type=VKVEventBatch)
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind((HOST, 0))
-        return int(probe.getsockname()[1])
-
-
 class Rig:
     """A publisher on free ports, a SUB socket, and replay requests from a DEALER."""
 
     def __init__(self, **kwargs: Any) -> None:
-        self.port, self.replay_port = free_port(), free_port()
+        self.port, self.replay_port = free_ports(2, HOST)
         self.publisher = KVEventPublisher(
             tcp_endpoint(HOST, self.port), tcp_endpoint(HOST, self.replay_port), **kwargs
         )
@@ -340,7 +335,7 @@ async def test_router_subscriber_index_equals_the_cache_after_evictions(rig: Rig
 async def test_sim_pod_publishes_serves_cache_and_cache_config_info(
     sim_pod: Callable[..., SimPod],
 ) -> None:
-    port, replay = free_port(), free_port()
+    port, replay = free_ports(2, HOST)
     pod = sim_pod(role="both", fast=True, kv_capacity_blocks=64, kv_events_port=port,
                   kv_events_replay_port=replay)
     context = zmq.asyncio.Context()

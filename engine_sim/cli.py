@@ -20,6 +20,7 @@ from engine_sim.bootstrap import (
     BootstrapError,
     BootstrapFault,
 )
+from engine_sim.compute import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from engine_sim.config import Role, SimConfig
 from engine_sim.faults import FaultSpec, check_spec
 from engine_sim.kv_blocks import DEFAULT_KV_BLOCK_BYTES
@@ -102,6 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="inter-token latency added per running request",
     )
     add("--max-num-seqs", type=int, default=256, help="requests running at once")
+    add(
+        "--max-num-batched-tokens",
+        type=int,
+        default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        help="tokens a step computes at most: longer prompts prefill in chunks, each "
+        "chunk's KV events sent as it ends (vLLM's flag)",
+    )
     add("--max-waiting", type=int, default=DEFAULT_MAX_WAITING, help="waiting-queue bound (503)")
     add("--kv-capacity-blocks", type=int, default=DEFAULT_CAPACITY_BLOCKS, help="KV cache size")
     add("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV block")
@@ -266,7 +274,8 @@ def _parse(argv: Sequence[str] | None) -> tuple[SimConfig, argparse.Namespace]:
         parser.error("--mooncake-master and --metadata-server go together")
     if args.role != "both" and args.mooncake_master is None:
         parser.error(f"--role {args.role} needs --mooncake-master and --metadata-server")
-    for name in ("max_num_seqs", "kv_capacity_blocks", "block_size", "kv_block_bytes"):
+    for name in ("max_num_seqs", "max_num_batched_tokens", "kv_capacity_blocks", "block_size",
+                 "kv_block_bytes"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")
     if args.bootstrap_port is not None and not 0 <= args.bootstrap_port < 65536:
@@ -317,6 +326,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[SimConfig, argparse.Namespace]:
         python_hash_seed=args.python_hash_seed,
         block_ids_per_group=args.block_ids_per_group,
         max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         max_waiting=args.max_waiting,
         max_model_len=args.max_model_len,
         default_max_tokens=args.default_max_tokens,

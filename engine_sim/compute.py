@@ -10,6 +10,12 @@ prompts that arrived before it are done: one server, first come first served. Tw
 1,000-token prompts arriving together finish at one and two times a 1,000-token prefill,
 not both at one.
 
+A prompt longer than the budget is prefilled over several steps, `max_num_batched_tokens`
+tokens each (`prefill_chunks`; vLLM's chunked prefill, always on in v1). The line is held
+across them, as the running prompt's chunk comes first in every step, and the caller hears
+of each step's end: vLLM caches a chunk's full blocks when it schedules the chunk and
+publishes their `BlockStored` once the step has run (`Scheduler.update_from_output`).
+
 What it leaves out: decode tokens ride in the same steps (their pace is the latency
 model's own, `--itl-ms`); short prompts that fit one step share its fixed cost (here
 `--prefill-overhead-ms` is waited beside the line, not on it); the last chunk of one
@@ -24,6 +30,23 @@ vLLM request left in WAITING by a full token budget does.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Sequence
+
+#: vLLM's `max_num_batched_tokens` for its OpenAI server on a GPU of 70 GiB or more other
+#: than an A100 (H100, H800, H20, MI300X: `EngineArgs.get_batch_defaults`); 2048 on smaller
+#: ones. Mooncake's traces come from such 80 GB nodes.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+
+
+def prefill_chunks(computed: int, num_tokens: int, budget: int) -> list[int]:
+    """Where each step of a prefill ends, in prompt tokens: from `computed` (the tokens the
+    caches supplied) to `num_tokens`, at most `budget` tokens a step. Empty when nothing
+    is left to compute."""
+    if budget <= 0:
+        raise ValueError("budget must be positive")
+    return list(range(computed + budget, num_tokens, budget)) + (
+        [num_tokens] if computed < num_tokens else []
+    )
 
 
 class ComputeLine:
@@ -38,9 +61,13 @@ class ComputeLine:
         """Prompts waiting for the line (the one on it is not counted)."""
         return self._queued
 
-    async def run(self, seconds: float) -> None:
-        """Compute for `seconds` once every earlier prompt has; nothing to wait for at 0."""
-        if seconds <= 0:
+    async def run(
+        self, steps: Sequence[float], after_step: Callable[[int], None] | None = None
+    ) -> None:
+        """Compute a prompt's steps (`steps[i]` seconds each) once every earlier prompt
+        has, holding the line throughout; `after_step(i)` runs as step `i` ends. Nothing
+        waits, and no step is reported, when the steps take no time."""
+        if sum(steps) <= 0:
             return
         self._queued += 1
         try:
@@ -48,6 +75,9 @@ class ComputeLine:
         finally:
             self._queued -= 1
         try:
-            await asyncio.sleep(seconds)
+            for index, seconds in enumerate(steps):
+                await asyncio.sleep(seconds)
+                if after_step is not None:
+                    after_step(index)
         finally:
             self._turns.release()

@@ -7,6 +7,7 @@ from typing import Literal
 
 from engine_sim.block_hash import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ALGO
 from engine_sim.bootstrap import DEFAULT_KV_WAIT_TIMEOUT_S
+from engine_sim.compute import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from engine_sim.faults import FaultSpec
 from engine_sim.kv_blocks import DEFAULT_KV_BLOCK_BYTES
 from engine_sim.kvstore import DEFAULT_GLOBAL_SEGMENT_BYTES, DEFAULT_LOCAL_BUFFER_BYTES
@@ -53,6 +54,8 @@ class SimConfig:
     store_prefix_cache: bool = False
     store_load_per_token_s: float | None = None
     max_num_seqs: int = 256
+    # Tokens a step computes at most: a longer prompt is prefilled in chunks (compute.py).
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_waiting: int = DEFAULT_MAX_WAITING
     max_model_len: int = 32_768
     default_max_tokens: int = 16

@@ -12,12 +12,13 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import TYPE_CHECKING, Any
 
 from engine_sim.block_hash import BlockHashMemo
 from engine_sim.bootstrap import BootstrapServer, Rendezvous
 from engine_sim.cache_events import CacheEventSink
-from engine_sim.compute import ComputeLine
+from engine_sim.compute import ComputeLine, prefill_chunks
 from engine_sim.config import SimConfig
 from engine_sim.generation import local_seed, output_pieces, store_seed
 from engine_sim.kv_params import TransferMode, TransferPlan, build_prefill_handle
@@ -26,7 +27,7 @@ from engine_sim.kvstore import KVStore
 from engine_sim.latency import pause
 from engine_sim.metrics import EngineMetrics
 from engine_sim.pending_blocks import PendingBlocks
-from engine_sim.prefix_cache import CacheLease, PrefixCache
+from engine_sim.prefix_cache import CacheLease, PrefixCache, PublishCursor
 from engine_sim.prompts import PromptTokenizer, load_tokenizer
 from engine_sim.protocol import Limits, ParsedRequest
 from engine_sim.scheduler import Scheduler
@@ -217,9 +218,10 @@ class Engine:
                 )
             seed = local_seed(token_ids)
 
-        # Its new blocks' `BlockStored` go out once the compute that fills them is done
-        # (vLLM publishes a step's events after the step: `prefix_cache.py`).
+        # Its new blocks' `BlockStored` go out once the step that fills them is done (vLLM
+        # publishes a step's events after the step: `prefix_cache.py`).
         lease = self.cache.acquire(hashes, token_ids, request.cache_salt, defer_stored=True)
+        published = PublishCursor(self.cache, lease)
         claim = self.pending.claim(lease.block_hashes, writes_from=hit_blocks)
         total_blocks = -(-(num_tokens + request.max_tokens) // size)
         private = max(0, total_blocks - len(lease.block_hashes))
@@ -245,9 +247,13 @@ class Engine:
             try:
                 await self.pending.wait(claim)  # a hit on blocks still being written
                 await pause(beside - reads_s)
-                await self.compute.run(self.latency.compute_seconds(num_tokens - computed))
+                published.through(computed // size)  # the connector's load has landed
+                ends = prefill_chunks(computed, num_tokens, config.max_num_batched_tokens)
+                steps = [self.latency.compute_seconds(end - start)
+                         for start, end in pairwise([computed, *ends])]
+                await self.compute.run(steps, lambda step: published.through(ends[step] // size))
             finally:
-                self.cache.publish(lease)  # computed, or given up: the cache holds them
+                published.through(len(lease.block_hashes))  # computed, or given up: held
                 self.pending.release(claim)
             handle: dict[str, Any] | None = None
             if writing is not None:

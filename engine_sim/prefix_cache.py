@@ -16,10 +16,11 @@ Rules, as in vLLM's block pool:
 When events go out: vLLM caches a prompt's new blocks when the scheduler allocates them
 for a step, and publishes the step's `BlockStored` after that step ran
 (`Scheduler.update_from_output` takes the KV cache manager's events and publishes them):
-a router hears of a block once the prefill that computes it is done. The engine acquires
-with `defer_stored` and publishes the lease's blocks (`publish`) when its compute ends;
-a prompt prefilled in several chunks (past `max_num_batched_tokens`) would be published
-chunk by chunk, here all at its end. Evictions are published at once.
+a router hears of a block once the step that computes it is done. The engine acquires
+with `defer_stored` and publishes the lease's blocks a range at a time (`publish`): those
+a KV connector loaded when the load lands, then each chunk's as the chunk's step ends (a
+prompt past `max_num_batched_tokens` is prefilled over several steps; `compute.py`).
+Evictions are published at once.
 """
 
 from __future__ import annotations
@@ -48,6 +49,24 @@ class CacheLease:
     block_hashes: tuple[int, ...]
     block_ids: tuple[int, ...]
     stored: tuple[BlockStored, ...] = ()
+
+
+class PublishCursor:
+    """A `defer_stored` lease's blocks published in order, a range at a time: `through(n)`
+    sends the events of its first `n` blocks not sent yet."""
+
+    __slots__ = ("_cache", "_lease", "_sent")
+
+    def __init__(self, cache: PrefixCache, lease: CacheLease) -> None:
+        self._cache = cache
+        self._lease = lease
+        self._sent = 0
+
+    def through(self, blocks: int) -> None:
+        end = min(blocks, len(self._lease.block_hashes))
+        if end > self._sent:
+            self._cache.publish(self._lease, self._sent, end)
+            self._sent = end
 
 
 class PrefixCache:
@@ -141,11 +160,27 @@ class PrefixCache:
         self.publish(lease)
         return CacheLease(lease.block_hashes, lease.block_ids)
 
-    def publish(self, lease: CacheLease) -> None:
-        """Send the `BlockStored` events a `defer_stored` lease kept (call it once a lease)."""
-        if self._on_event is not None:
-            for event in lease.stored:
+    def publish(self, lease: CacheLease, start: int = 0, end: int | None = None) -> None:
+        """Send the `BlockStored` events a `defer_stored` lease kept for its blocks
+        `start`..`end` (all by default); publish each block once, in order.
+
+        An event kept for a run of blocks that the range cuts is sent as the part inside
+        it, its parent the block before, as vLLM's `BlockStored` for a chunk names the
+        last block of the chunk before."""
+        if self._on_event is None:
+            return
+        stop = len(lease.block_hashes) if end is None else end
+        for event in lease.stored:
+            first = event.first_block
+            last = first + len(event.block_hashes)
+            if last <= start or first >= stop:
+                continue
+            if start <= first and last <= stop:
                 self._on_event(event)
+            else:
+                self._on_event(self._stored(lease.block_hashes, event.token_ids,
+                                            max(first, start), min(last, stop),
+                                            event.cache_salt, offset=first))
 
     def release(self, lease: CacheLease) -> None:
         """Drop a request's hold; blocks nobody holds become evictable, tail first."""
@@ -198,12 +233,14 @@ class PrefixCache:
         start: int,
         end: int,
         cache_salt: str | None,
+        offset: int = 0,
     ) -> BlockStored:
+        """Blocks `start`..`end` of a prompt; `token_ids` begin at block `offset`."""
         size = self.block_size
         return BlockStored(
             block_hashes=tuple(block_hashes[start:end]),
             parent_block_hash=block_hashes[start - 1] if start > 0 else None,
-            token_ids=tuple(token_ids[start * size : end * size]),
+            token_ids=tuple(token_ids[(start - offset) * size : (end - offset) * size]),
             block_size=size,
             first_block=start,
             cache_salt=cache_salt,

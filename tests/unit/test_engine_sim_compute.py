@@ -12,7 +12,7 @@ import time
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine_sim.compute import ComputeLine
+from engine_sim.compute import ComputeLine, prefill_chunks
 from engine_sim.config import SimConfig
 from engine_sim.engine import Engine
 from engine_sim.kv_params import parse_kv_transfer_params
@@ -79,7 +79,7 @@ async def test_a_cancelled_prompt_leaves_the_line_to_the_next() -> None:
     order: list[str] = []
 
     async def compute(name: str, seconds: float) -> None:
-        await line.run(seconds)
+        await line.run([seconds])
         order.append(name)
 
     first = asyncio.create_task(compute("first", 0.05))
@@ -92,3 +92,33 @@ async def test_a_cancelled_prompt_leaves_the_line_to_the_next() -> None:
     await asyncio.wait_for(asyncio.gather(first, last), 5)
     assert order == ["first", "last"] and line.waiting == 0
     assert gone.cancelled()
+
+
+def test_a_prompt_past_the_budget_is_prefilled_in_steps_of_the_budget() -> None:
+    # From the tokens the caches supplied to the prompt's end, at most the budget a step.
+    assert prefill_chunks(0, 100, 64) == [64, 100]
+    assert prefill_chunks(0, 128, 64) == [64, 128]
+    assert prefill_chunks(32, 100, 64) == [96, 100]
+    assert prefill_chunks(0, 50, 64) == [50]
+    assert prefill_chunks(100, 100, 64) == []
+
+
+async def test_each_step_is_reported_as_it_ends_and_the_line_is_held_throughout() -> None:
+    """A chunked prompt keeps the line between its steps (vLLM schedules the running
+    prompt's next chunk first), and the caller hears of each step before the next runs."""
+    line = ComputeLine()
+    log: list[str] = []
+
+    async def chunked() -> None:
+        await line.run([0.02, 0.02, 0.02], lambda step: log.append(f"step {step}"))
+        log.append("chunked done")
+
+    async def next_prompt() -> None:
+        await line.run([0.001])
+        log.append("next done")
+
+    first = asyncio.create_task(chunked())
+    await asyncio.sleep(0)
+    second = asyncio.create_task(next_prompt())
+    await asyncio.wait_for(asyncio.gather(first, second), 5)
+    assert log == ["step 0", "step 1", "step 2", "chunked done", "next done"]

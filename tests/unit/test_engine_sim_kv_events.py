@@ -429,6 +429,29 @@ async def test_a_prompts_blocks_are_published_once_its_prefill_is_computed(rig: 
     assert stored[0].medium == "GPU" and len(stored[0].block_hashes) == 10
 
 
+async def test_a_prompt_past_the_step_budget_is_published_chunk_by_chunk(rig: Rig) -> None:
+    """vLLM prefills a prompt longer than `max_num_batched_tokens` over several steps and
+    publishes each step's blocks after it: a router hears of the first chunk's blocks
+    while the rest still computes, each chunk's event naming the block before it."""
+    compute = LatencyModel(prefill_overhead_s=0.0, prefill_per_token_s=0.001, itl_base_s=0.0,
+                           itl_per_running_s=0.0)
+    engine = _engine(rig.publisher, MemoryKVStore(), latency=compute, max_num_batched_tokens=64)
+    prompt = "one two three four " * 20  # 160 tokens: steps end at 64, 128 and 160 tokens
+    running = asyncio.create_task(_prefill(engine, prompt))
+    batches: list[list[Stored]] = []
+    while sum(len(e.block_hashes) for batch in batches for e in batch) < 10:
+        events = decode_batch((await rig.recv())[2])
+        batches.append([e for e in events if isinstance(e, Stored) and e.medium == "GPU"])
+    await running
+    ids = engine.tokenizer.request_ids("completion", {"prompt": prompt})[0]
+    hashes = tuple(engine.block_hashes.hashes(ids))
+    assert [[len(e.block_hashes) for e in batch] for batch in batches] == [[4], [4], [2]]
+    chunks = [batch[0] for batch in batches]
+    assert [e.parent_block_hash for e in chunks] == [None, hashes[3], hashes[7]]
+    assert sum((e.block_hashes for e in chunks), ()) == hashes
+    assert sum((e.token_ids for e in chunks), ()) == tuple(ids[:160])
+
+
 async def test_store_prefix_cache_reads_what_another_pod_wrote() -> None:
     store = MemoryKVStore()
     writer = _engine(None, store)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from engine_sim.block_hash import HASH_MASK_64, BlockHashMemo, hash_prompt_blocks
 from engine_sim.cache_events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent
-from engine_sim.prefix_cache import PrefixCache
+from engine_sim.prefix_cache import PrefixCache, PublishCursor
 from router.kvhash.vllm import event_hash, hash_block_tokens, none_hash, sha256_pickle
 
 BS = 4
@@ -73,6 +73,51 @@ def test_deferred_blocks_are_published_when_told_and_evictions_at_once() -> None
     assert cache.match(second_hashes) == 2  # held and hit by the cache meanwhile
     cache.publish(lease)
     assert events[1:] == [BlockStored(tuple(second_hashes), None, tuple(second), BS)]
+
+
+def test_a_deferred_lease_is_published_a_range_at_a_time() -> None:
+    """Chunked prefill: each chunk's blocks go out as one event whose parent is the block
+    before; the pieces add up to what one `publish` of the whole lease sends."""
+    events: list[CacheEvent] = []
+    cache = PrefixCache(capacity_blocks=8, block_size=BS, on_event=events.append)
+    prompt = list(range(20))  # 5 blocks
+    hashes = hash_prompt_blocks(prompt, BS)
+    lease = cache.acquire(hashes, prompt, defer_stored=True)
+    cursor = PublishCursor(cache, lease)
+    cursor.through(2)
+    cursor.through(2)  # nothing new
+    cursor.through(4)
+    cursor.through(99)  # past the lease: its last block
+    assert events == [
+        BlockStored(tuple(hashes[:2]), None, tuple(prompt[:8]), BS),
+        BlockStored(tuple(hashes[2:4]), hashes[1], tuple(prompt[8:16]), BS, first_block=2),
+        BlockStored((hashes[4],), hashes[3], tuple(prompt[16:]), BS, first_block=4),
+    ]
+    whole: list[CacheEvent] = []
+    again = PrefixCache(capacity_blocks=8, block_size=BS, on_event=whole.append)
+    again.publish(again.acquire(hashes, prompt, defer_stored=True))
+    assert whole == [BlockStored(tuple(hashes), None, tuple(prompt), BS)]
+
+
+def test_a_range_publishes_only_the_blocks_the_lease_cached() -> None:
+    """Blocks the cache already held send nothing; a range across held and new blocks
+    sends the new ones, parented on the held block before them."""
+    events: list[CacheEvent] = []
+    cache = PrefixCache(capacity_blocks=8, block_size=BS, on_event=events.append)
+    cached = list(range(8))
+    cache.release(cache.acquire(hash_prompt_blocks(cached, BS), cached))  # 2 blocks
+    events.clear()
+    prompt = [*cached, *range(100, 108)]  # the 2 cached blocks, then 2 new
+    hashes = hash_prompt_blocks(prompt, BS)
+    lease = cache.acquire(hashes, prompt, defer_stored=True)
+    cache.publish(lease, 0, 1)
+    assert events == []
+    cache.publish(lease, 1, 3)
+    cache.publish(lease, 3)
+    assert events == [
+        BlockStored((hashes[2],), hashes[1], tuple(prompt[8:12]), BS, first_block=2),
+        BlockStored((hashes[3],), hashes[2], tuple(prompt[12:]), BS, first_block=3),
+    ]
 
 
 def test_lru_eviction_tail_first_and_held_blocks_stay() -> None:

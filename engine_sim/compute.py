@@ -75,8 +75,11 @@ class ComputeLine:
         finally:
             self._queued -= 1
         try:
+            loop = asyncio.get_running_loop()
+            ends = loop.time()
             for index, seconds in enumerate(steps):
-                await asyncio.sleep(seconds)
+                ends += seconds  # each step ends on the model's clock, not after the
+                await asyncio.sleep(ends - loop.time())  # last one's wake-up was late
                 if after_step is not None:
                     after_step(index)
         finally:

@@ -208,7 +208,8 @@ async def start_routers(
     """`config`: the `--config` (and `--scheduler-config`) flags of every process."""
     base = [sys.executable, "-m", "router", "serve", *config, "--host", "127.0.0.1",
             "--log-level", "warning"]  # fmt: skip
-    ports = free_ports(2)
+    drawn = free_ports(4)  # together, so no HTTP port is also a sync port
+    ports, syncs = drawn[:2], drawn[2:]
     if setup == "one process":
         argvs = [[*base, "--port", str(ports[0])]]
     elif setup == "--workers 2":
@@ -216,7 +217,6 @@ async def start_routers(
     elif setup == UNSYNCED:
         argvs = [[*base, "--port", str(ports[i])] for i in range(2)]
     else:
-        syncs = free_ports(2)
         argvs = [[*base, "--port", str(ports[i]), "--sync-port", str(syncs[i]),
                   "--peers", f"127.0.0.1:{syncs[1 - i]}"] for i in range(2)]
     procs = []

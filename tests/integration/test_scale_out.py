@@ -119,7 +119,8 @@ def _router(sim: SimCluster, name: str, port: int, extra: list[str]) -> Process:
 
 def _two_replicas(sim: SimCluster, name: str) -> tuple[list[Process], list[str]]:
     """Two router replicas peered over their sync ports: (processes, base URLs)."""
-    ports, syncs = free_ports(2), free_ports(2)
+    drawn = free_ports(4)  # together, so no HTTP port is also a sync port
+    ports, syncs = drawn[:2], drawn[2:]
     routers = [
         _router(sim, f"{name}-{i}", ports[i],
                 ["--sync-port", str(syncs[i]), "--peers", f"127.0.0.1:{syncs[1 - i]}"])
@@ -470,7 +471,8 @@ async def test_a_replica_sees_the_prompts_the_other_is_prefilling(
     ) as cluster:
         argv = ["--config", str(cluster.config_dir), "--scheduler-config",
                 str(cluster.scheduler_file), "--sync-ttl", str(TTL_S)]
-        ports, syncs = free_ports(2), free_ports(2)
+        drawn = free_ports(4)  # together, so no HTTP port is also a sync port
+        ports, syncs = drawn[:2], drawn[2:]
         routers = [
             _router_argv(tmp_path, f"prefilling-{i}", ports[i], [
                 *argv, "--sync-port", str(syncs[i]), "--peers", f"127.0.0.1:{syncs[1 - i]}"])

@@ -54,10 +54,12 @@ def test_match_acquire_release_and_hits() -> None:
     assert events == [BlockStored((other[2],), other[1], (50, 51, 52, 53), BS, first_block=2)]
 
 
-def _served(first: list[int]) -> tuple[PrefixCache, list[CacheEvent], list[int]]:
-    """A 3-block cache that held `first` and let it go: (cache, its events, its hashes)."""
+def _served(first: list[int], capacity: int = 3
+            ) -> tuple[PrefixCache, list[CacheEvent], list[int]]:
+    """A cache of `capacity` blocks that held `first` and let it go: (cache, its events,
+    its hashes)."""
     events: list[CacheEvent] = []
-    cache = PrefixCache(capacity_blocks=3, block_size=BS, on_event=events.append)
+    cache = PrefixCache(capacity_blocks=capacity, block_size=BS, on_event=events.append)
     first_hashes = hash_prompt_blocks(first, BS)
     cache.release(cache.acquire(first_hashes, first))
     return cache, events, first_hashes
@@ -102,10 +104,8 @@ def test_a_deferred_lease_is_published_a_range_at_a_time() -> None:
 def test_a_range_publishes_only_the_blocks_the_lease_cached() -> None:
     """Blocks the cache already held send nothing; a range across held and new blocks
     sends the new ones, parented on the held block before them."""
-    events: list[CacheEvent] = []
-    cache = PrefixCache(capacity_blocks=8, block_size=BS, on_event=events.append)
     cached = list(range(8))
-    cache.release(cache.acquire(hash_prompt_blocks(cached, BS), cached))  # 2 blocks
+    cache, events, _ = _served(cached, capacity=8)  # 2 blocks
     events.clear()
     prompt = [*cached, *range(100, 108)]  # the 2 cached blocks, then 2 new
     hashes = hash_prompt_blocks(prompt, BS)

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import socket
 
+import pytest
+
 from engine_sim.mooncake_master import MooncakeMaster
-from engine_sim.ports import free_ports
+from engine_sim.ports import draw_range, free_port, free_ports
 
 
 def test_ports_drawn_together_are_distinct_and_free() -> None:
@@ -26,3 +28,12 @@ def test_a_master_picks_three_distinct_ports_and_keeps_the_ones_given() -> None:
     given._pick_ports()
     assert given.rpc_port == given._want[0]
     assert len({given.rpc_port, given.metadata_port, given.metrics_port}) == 3
+
+
+def test_ports_are_drawn_below_the_kernels_ephemeral_range() -> None:
+    """An outgoing connection's local port comes from the ephemeral range: a port drawn
+    there could be taken before its server binds it."""
+    span = draw_range()
+    if span is None:
+        pytest.skip("no room below this kernel's ephemeral range")
+    assert all(port in span for port in [*free_ports(16), free_port()])

@@ -11,7 +11,9 @@ delivers it. One `Connection` per socket, one `Response` per request, nothing el
   `keepalive_s`, below the engines' own idle timeout (vLLM: 5 s), so the router never
   reuses a socket the engine is about to close; one the engine closed leaves the pool.
 - **Bounds.** At most `limit` connections in use router-wide and `limit_per_host` per
-  pod; a request past a bound waits for a connection to come back (FIFO).
+  pod; a request past a bound waits for a connection to come back, first come first
+  served among the requests its turn can serve: a pod at its own bound holds up only
+  the requests for that pod, never those for another pod with room.
 - **Back-pressure.** A response buffers at most `HIGH_WATER` bytes the caller has not
   read; past that the socket stops reading until the caller catches up.
 - **One hand-over per read.** In push mode (`stream_to`) the body bytes of one socket
@@ -25,6 +27,7 @@ delivers it. One `Connection` per socket, one `Response` per request, nothing el
 from __future__ import annotations
 
 import asyncio
+import itertools
 import ssl
 import time
 from collections import deque
@@ -290,8 +293,11 @@ class Pool:
         self._idle: dict[tuple[str, int], list[Connection]] = {}
         self._busy: dict[tuple[str, int], int] = {}
         self._busy_total = 0
-        #: Requests waiting for a connection under a bound (bounded by admission control).
-        self._waiters: deque[tuple[tuple[str, int], asyncio.Future[None]]] = deque()
+        #: Requests waiting for a connection under a bound, per pod, each with its ticket
+        #: (arrival order across pods). Bounded by admission control: a request waits in
+        #: one line at a time and leaves it when cancelled; a pod's line goes when empty.
+        self._waiting: dict[tuple[str, int], deque[tuple[int, asyncio.Future[None]]]] = {}
+        self._tickets = itertools.count()
         self._ssl: ssl.SSLContext | None = None
         self._closed = False
 
@@ -317,12 +323,20 @@ class Pool:
         while (self._busy_total >= self.limit
                or self._busy.get(key, 0) >= self.limit_per_host):
             waiter = asyncio.get_running_loop().create_future()
-            self._waiters.append((key, waiter))
+            entry = (next(self._tickets), waiter)
+            line = self._waiting.get(key)
+            if line is None:
+                line = self._waiting[key] = deque()
+            line.append(entry)
             try:
                 await waiter
             except asyncio.CancelledError:
                 if waiter.done() and not waiter.cancelled():
                     self._wake_next()  # woken as we were cancelled: pass the turn on
+                elif line is self._waiting.get(key):
+                    line.remove(entry)  # never woken: leave the line
+                    if not line:
+                        del self._waiting[key]
                 raise
         self._busy_total += 1
         self._busy[key] = self._busy.get(key, 0) + 1
@@ -331,6 +345,8 @@ class Pool:
             stale_before = time.monotonic() - self.keepalive_s
             while idle:
                 conn = idle.pop()
+                if not idle:
+                    del self._idle[key]  # no key per pod ever reached: pods come and go
                 if not conn.closed and conn.idle_since > stale_before:
                     return conn
                 conn.close()
@@ -375,6 +391,8 @@ class Pool:
         idle = self._idle.get(conn.key)
         if idle and conn in idle:
             idle.remove(conn)
+            if not idle:
+                del self._idle[conn.key]
 
     def _unbusy(self, key: tuple[str, int]) -> None:
         self._busy_total -= 1
@@ -383,21 +401,29 @@ class Pool:
             self._busy[key] = left
         else:
             del self._busy[key]
-        if self._waiters:
+        if self._waiting:
             self._wake_next()
 
     def _wake_next(self) -> None:
-        waiters = self._waiters
-        while waiters:
-            waiting_for, waiter = waiters[0]
-            if waiter.done():
-                waiters.popleft()
-                continue
-            if self._busy.get(waiting_for, 0) >= self.limit_per_host:
-                break  # FIFO: the head waits for its own pod
-            waiters.popleft()
+        """Wake the longest-waiting request whose pod has room under `limit_per_host`
+        (the lowest ticket among the lines' heads: one look per pod with a line, however
+        many wait); requests for pods at their bound keep their places."""
+        best: deque[tuple[int, asyncio.Future[None]]] | None = None
+        best_key: tuple[str, int] | None = None
+        for key, line in list(self._waiting.items()):
+            while line and line[0][1].done():
+                line.popleft()
+            if not line:
+                del self._waiting[key]
+            elif self._busy.get(key, 0) < self.limit_per_host and (
+                best is None or line[0][0] < best[0][0]
+            ):
+                best, best_key = line, key
+        if best is not None and best_key is not None:
+            _, waiter = best.popleft()
+            if not best:
+                del self._waiting[best_key]
             waiter.set_result(None)
-            break
 
     async def close(self) -> None:
         """Close every idle connection; connections in use close when released."""

@@ -86,6 +86,11 @@ class Server:
         elif path == "/big":
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % BIG)
             writer.write(b"x" * BIG)
+        elif path == "/idle-close":  # kept alive, then closed while idle (an engine's timeout)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+            await writer.drain()
+            await asyncio.sleep(0.02)
+            return False
         elif path == "/error":
             writer.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 4\r\n\r\nbusy")
         await writer.drain()
@@ -259,6 +264,52 @@ async def test_per_pod_bound_queues_requests_and_survives_cancelled_waiters(
     assert await response.read(1024) == b"[3]"
     response.release()
     assert server.accepted == 1
+    await pool.close()
+
+
+async def test_a_pod_at_its_bound_holds_up_only_its_own_requests(server: Server) -> None:
+    other = Server()
+    listener = await asyncio.start_server(other.handle, "127.0.0.1", 0)
+    other.port = listener.sockets[0].getsockname()[1]
+    async with listener:
+        pool = _pool(per_host=1)
+        held_a = await _post(pool, server, "/json")
+        held_b = await _post(pool, other, "/json")
+        waits_a = asyncio.ensure_future(_post(pool, server, "/json", b"[a]"))
+        await asyncio.sleep(0.05)
+        waits_b = asyncio.ensure_future(_post(pool, other, "/json", b"[b]"))  # behind a
+        await asyncio.sleep(0.05)
+        await held_b.read(1024)
+        held_b.release()  # B has room again; A is still at its bound
+        response = await asyncio.wait_for(waits_b, 5)
+        assert await response.read(1024) == b"[b]"
+        response.release()
+        assert not waits_a.done()
+        await held_a.read(1024)
+        held_a.release()
+        response = await asyncio.wait_for(waits_a, 5)
+        assert await response.read(1024) == b"[a]"
+        response.release()
+        await pool.close()
+
+
+async def test_cancelled_waiters_and_closed_pods_leave_nothing_behind(server: Server) -> None:
+    pool = _pool(per_host=1)
+    held = await _post(pool, server, "/json")
+    waiting = [asyncio.ensure_future(_post(pool, server, "/json")) for _ in range(50)]
+    await asyncio.sleep(0.05)
+    for task in waiting:
+        task.cancel()
+    await asyncio.gather(*waiting, return_exceptions=True)
+    assert not pool._waiting  # no line kept for requests that left it
+    await held.read(1024)
+    held.release()
+    closing = await _post(pool, server, "/idle-close")
+    await closing.read(1024)
+    closing.release()
+    assert pool._idle  # kept alive for the next request...
+    await asyncio.sleep(0.1)
+    assert not pool._idle  # ...until the pod closed it: nothing kept for that pod
     await pool.close()
 
 

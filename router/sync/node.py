@@ -150,7 +150,6 @@ class SyncNode:
         self._clock = clock
         self._peers: dict[str, _Peer] = {}
         self._endpoints: dict[str, Endpoint] = {}
-        self._capacity: dict[str, int | None] = {}
         self._pending: list[m.Message] = []
         self._pending_inflight: dict[str, int] = {}
         self._pending_host: list[m.Message] = []
@@ -483,11 +482,10 @@ class SyncNode:
             key = message[1]
             if key not in self._endpoints:
                 return
-            capacity = message[5]
             self.engines.apply_remote(key, EngineLoad(*message[2:7]))
-            if self._capacity.get(key) != capacity:
-                self._capacity[key] = capacity
-                self.approx.set_capacity_tokens(key, capacity)
+            # Unchanged capacities cost a lookup there; a pod that left the view and came
+            # back gets its capacity again (a copy kept here outlived the index's entry).
+            self.approx.set_capacity_tokens(key, message[5])
 
     def _remember(self, origin: str, peer: _Peer) -> None:
         if len(self._peers) >= MAX_PEERS:
@@ -525,13 +523,16 @@ class SyncNode:
             self.metrics.last_heard.labels(peer=origin).set(age)
         self.metrics.peer_state["live"].set(live)
         self.metrics.peer_state["lost"].set(lost)
-        seen = self.inflight.seen()
+        seen, gauge = self.inflight.seen(), self.metrics.seen_inflight
         for key in self._seen_pods - seen.keys():
-            self.metrics.seen_inflight.labels(pod=key).set(0)
+            if key in self._endpoints:
+                gauge.labels(pod=key).set(0)
+            else:  # gone from the view: its series goes too (one per pod ever seen stayed)
+                with contextlib.suppress(KeyError):
+                    gauge.remove(key)
         for key, count in seen.items():
-            self.metrics.seen_inflight.labels(pod=key).set(count)
-        self._seen_pods |= seen.keys()
-        self._seen_pods &= set(self._endpoints) | seen.keys()
+            gauge.labels(pod=key).set(count)
+        self._seen_pods = (self._seen_pods & self._endpoints.keys()) | seen.keys()
 
     def peers(self) -> dict[str, bool]:
         """origin -> live, for every origin this process has heard."""

@@ -20,7 +20,7 @@ from router.scheduling.approx_index import ApproximatePrefixIndex
 from router.scheduling.backlog import PrefillBacklog
 from router.scheduling.inflight_prefixes import EVENT_GRACE_S, InFlightPrefixes
 from router.scheduling.metrics import SchedulerMetrics
-from router.scheduling.metrics_scraper import EngineMetricsStore, MetricsScraper
+from router.scheduling.metrics_scraper import EngineLoad, EngineMetricsStore, MetricsScraper
 from router.sync import SyncConfig, SyncNode
 from router.sync import messages as m
 from router.sync.exposition import merge
@@ -214,6 +214,43 @@ def test_a_silent_peer_expires_after_the_ttl(pair: tuple[Node, Node, Clock]) -> 
     one.node.heartbeat()
     one.deliver_to(two)  # back: its report counts again
     assert two.inflight.get(POD_A) == 1 and two.node.peers() == {"h.0": True}
+
+
+def _seen_series(node: Node) -> dict[str, float]:
+    families = text_string_to_metric_families(generate_latest(node.registry).decode())
+    return {sample.labels["pod"]: sample.value for family in families
+            if family.name == "pdgate_sync_seen_inflight_requests"
+            for sample in family.samples}
+
+
+def test_a_pod_that_left_the_view_leaves_the_seen_counts(pair: tuple[Node, Node, Clock]) -> None:
+    one, two, _ = pair
+    one.inflight.acquire(POD_A)
+    one.inflight.acquire(POD_B)
+    one.deliver_to(two)
+    two.node.expire()
+    assert _seen_series(two) == {POD_A.key: 1, POD_B.key: 1}
+    one.inflight.release(POD_A)
+    one.inflight.release(POD_B)
+    one.deliver_to(two)
+    two.node._endpoints = {POD_A.key: POD_A}  # b is gone from the view
+    two.node.expire()
+    assert _seen_series(two) == {POD_A.key: 0}  # a pod of the view at 0; b's series gone
+
+
+def test_a_pod_back_in_the_view_gets_its_engine_capacity_again(
+    pair: tuple[Node, Node, Clock],
+) -> None:
+    one, two, clock = pair  # one is worker 0: it scrapes the engines for the host
+    load = EngineLoad(running=0, waiting=0, kv_usage=0.1, capacity_tokens=50_000, at=clock.now)
+    one.node._on_engine(POD_A.key, load)
+    one.deliver_to(two)
+    assert two.approx.reported_tokens(POD_A.key) == 50_000
+    two.approx.retain([POD_B.key])  # a left the view (the scheduler keeps the view's pods)
+    assert two.approx.reported_tokens(POD_A.key) is None
+    one.node._on_engine(POD_A.key, load)  # back, with the same capacity
+    one.deliver_to(two)
+    assert two.approx.reported_tokens(POD_A.key) == 50_000
 
 
 def test_routes_and_ejections_reach_the_peer(pair: tuple[Node, Node, Clock]) -> None:

@@ -54,26 +54,40 @@ def single_threaded_library() -> None:
     os.environ.setdefault(LIBRARY_PARALLELISM_ENV, "false")
 
 
+#: The request fields a chat template renders into the prompt: every string in them counts
+#: toward its size (a tool's description or a document is text to encode like a message).
+CHAT_RENDERED_FIELDS: Final = ("messages", "tools", "documents", "chat_template_kwargs")
+
+
 def prompt_chars(endpoint: Endpoint, body: Mapping[str, Any]) -> int:
-    """A cheap size of a request's prompt text (characters of its strings)."""
+    """A cheap size of what a request's prompt renders from: the characters of every
+    string (and object key) in its prompt, or in the fields a chat template renders."""
     if endpoint == "completion":
-        prompt = body.get("prompt")
-        if isinstance(prompt, str):
-            return len(prompt)
-        if isinstance(prompt, list):
-            return sum(len(p) for p in prompt if isinstance(p, str))
-        return 0
-    total = 0
-    messages = body.get("messages")
-    if isinstance(messages, list):
-        for message in messages:
-            content = message.get("content") if isinstance(message, Mapping) else None
-            if isinstance(content, str):
-                total += len(content)
-            elif isinstance(content, list):
-                for part in content:
-                    if isinstance(part, Mapping) and isinstance(part.get("text"), str):
-                        total += len(part["text"])
+        return _chars(body.get("prompt"))
+    return sum(_chars(body.get(name)) for name in CHAT_RENDERED_FIELDS)
+
+
+def _chars(value: Any) -> int:
+    """Characters of the strings (and object keys) in a parsed JSON value, walked without
+    recursion: a body may nest as deep as its parser allows."""
+    if isinstance(value, str):
+        return len(value)
+    total, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            for key, inner in item.items():
+                total += len(key)
+                if isinstance(inner, str):
+                    total += len(inner)
+                elif isinstance(inner, dict | list):
+                    stack.append(inner)
+        elif isinstance(item, list):
+            for inner in item:
+                if isinstance(inner, str):
+                    total += len(inner)
+                elif isinstance(inner, dict | list):
+                    stack.append(inner)
     return total
 
 

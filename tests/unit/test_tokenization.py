@@ -25,7 +25,7 @@ from router.tokenization import (
     resolve_tokenizer_dir,
 )
 from router.tokenization.messages import conversation, tool_schemas
-from router.tokenization.offload import TokenizePool
+from router.tokenization.offload import OFFLOAD_MIN_CHARS, TokenizePool, prompt_chars
 from router.tokenization.tokenizer import AddedTokenSplitter, chunks
 from router.view import ServerPods, Snapshot
 from tests.sim_tokens import sim_server, sim_tokenizer
@@ -385,6 +385,35 @@ async def test_the_pool_counts_its_jobs_thread_cpu() -> None:
         assert first > 0  # the encode ran on the pool and was timed there
         await pool.call(lambda: None)
         assert pool.cpu.value - first < 0.05  # an empty job adds next to nothing
+    finally:
+        pool.close()
+
+
+def test_a_prompt_is_sized_by_everything_its_template_renders() -> None:
+    small = {"messages": [{"role": "user", "content": "hi"}]}
+    assert prompt_chars("chat", small) < OFFLOAD_MIN_CHARS
+    tool = {"type": "function", "function": {"name": "f", "description": "x" * 5_000}}
+    document = {"title": "t", "text": "y" * 5_000}
+    call = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "z" * 5_000}}]}
+    for extra in ({"tools": [tool]}, {"documents": [document]}, {"messages": [call]},
+                  {"chat_template_kwargs": {"context": "w" * 5_000}}):
+        assert prompt_chars("chat", {**small, **extra}) >= 5_000
+    assert prompt_chars("completion", {"prompt": ["a" * 600, "b" * 600]}) == 1_200
+    deep: Any = "v" * 10
+    for _ in range(5_000):  # deeper than Python's recursion limit
+        deep = [deep]
+    assert prompt_chars("completion", {"prompt": deep}) == 10
+
+
+async def test_a_big_tool_list_is_tokenized_on_the_pool() -> None:
+    pool = TokenizePool(threads=1)
+    try:
+        tool = {"type": "function",
+                "function": {"name": "lookup", "description": "many words " * 2_000}}
+        body = {"messages": [{"role": "user", "content": "hi"}], "tools": [tool]}
+        await pool.request_ids(sim_tokenizer(), "chat", body)
+        assert pool.cpu.value > 0  # not inline on the event loop
     finally:
         pool.close()
 

@@ -9,6 +9,7 @@ preallocated `list[float]` instead of building dicts.
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
@@ -42,6 +43,8 @@ from router.view import Endpoint, ServerPods
 
 RoleName = Literal["prefill", "decode", "aggregated"]
 SESSION_HEADER: Final = "x-session-id"
+#: Characters of a session id the session table keeps as it is; a longer one by its digest.
+MAX_SESSION_ID_CHARS: Final = 256
 #: Prompt length assumed before any request was seen (tokens), for the running average.
 INITIAL_MEAN_UNCACHED_TOKENS: Final = 512.0
 
@@ -162,23 +165,33 @@ class LoadEstimator:
         )
 
 
+def _session_key(session: str) -> str | bytes:
+    """`session` as the session table keeps it: itself, or its 16-byte digest when it is
+    long (bytes, so never equal to an id kept as it is)."""
+    if len(session) <= MAX_SESSION_ID_CHARS:
+        return session
+    return hashlib.blake2b(session.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+
 @dataclass(slots=True)
 class SessionTable:
-    """Session id -> pod key per role, an LRU bounded by `max_sessions`."""
+    """Session id -> pod key per role, an LRU bounded by `max_sessions`, each id kept in at
+    most `MAX_SESSION_ID_CHARS` characters (a longer one by its digest: the id is the
+    client's header, up to the head's size limit, and the table holds tens of thousands)."""
 
     max_sessions: int
-    _table: OrderedDict[tuple[str, str], str]
+    _table: OrderedDict[tuple[str, str | bytes], str]
 
     @classmethod
     def create(cls, max_sessions: int) -> SessionTable:
         return cls(max_sessions, OrderedDict())
 
     def get(self, role: str, session: str) -> str | None:
-        return self._table.get((role, session))
+        return self._table.get((role, _session_key(session)))
 
     def put(self, role: str, session: str, key: str) -> None:
         table = self._table
-        entry = (role, session)
+        entry = (role, _session_key(session))
         table[entry] = key
         table.move_to_end(entry)
         while len(table) > self.max_sessions:

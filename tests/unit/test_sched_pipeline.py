@@ -660,6 +660,20 @@ def test_session_table_is_bounded() -> None:
     assert rt.deps.sessions.get("prefill", "s0") is None
 
 
+def test_long_session_ids_are_kept_by_their_digest() -> None:
+    rt = runtime()
+    sessions = rt.deps.sessions
+    long_a, long_b = "a" * 30_000, "a" * 29_999 + "b"
+    sessions.put("prefill", long_a, "p1")
+    sessions.put("prefill", long_b, "p2")
+    sessions.put("prefill", "short", "p3")
+    assert sessions.get("prefill", long_a) == "p1" and sessions.get("prefill", long_b) == "p2"
+    assert sessions.get("prefill", "short") == "p3"
+    assert sessions.get("decode", long_a) is None
+    held = sum(len(session) for _, session in sessions._table)
+    assert held <= 2 * 16 + len("short")  # not the 60,000 characters the ids came in
+
+
 # -- filters -----------------------------------------------------------------------------------
 
 

@@ -22,7 +22,10 @@ computation, so `chat_ids` memoizes pieces: a repeated system prompt, tool list 
 turn costs a dictionary lookup. Pieces missing from the memo are encoded in one batch
 call. For other tokenizers (`piecewise` false) whole texts are memoized. Bounds:
 `PIECE_MEMO_ENTRIES` pieces holding at most `PIECE_MEMO_TOKENS` ids, pieces shorter than
-`PIECE_MEMO_MIN_CHARS` are not stored; `TEXT_MEMO_ENTRIES` whole texts.
+`PIECE_MEMO_MIN_CHARS` are not stored; `TEXT_MEMO_ENTRIES` whole texts. Each memo also
+keeps at most `MEMO_CHARS` characters of text as its keys: the texts are the clients' (a
+request body may be megabytes, and a run of spaces encodes at about a hundred characters
+a token, so the id bound alone let whole bodies pile up).
 
 Chunks, exact by construction too. A byte-level BPE (`ByteLevel` pre-tokenizer, no prefix
 space added) encodes each pre-token on its own, and the regex splits of every such
@@ -60,6 +63,8 @@ PIECE_MEMO_ENTRIES: Final = 4_096
 PIECE_MEMO_TOKENS: Final = 4_000_000
 PIECE_MEMO_MIN_CHARS: Final = 32
 TEXT_MEMO_ENTRIES: Final = 256
+#: Characters of text one memo keeps as its keys, at most.
+MEMO_CHARS: Final = 16_000_000
 #: Pieces longer than twice this are cut into chunks of about this many characters.
 CHUNK_CHARS: Final = 1_024
 #: Bound of compiled request-level templates kept per tokenizer.
@@ -71,41 +76,53 @@ class TokenizerLoadError(ValueError):
 
 
 class _LRU:
-    """A small thread-safe LRU of str -> token ids, bounded in entries and stored ids.
+    """A small thread-safe LRU of text -> token ids, bounded in entries, stored ids and
+    the characters of the texts it is keyed by.
 
     Ids are kept as 4-byte `array("I")` items: a tuple of Python ints costs about 36 bytes
     an id (the memo of a long-prompt workload was ~36 MB as tuples, ~4 MB as arrays)."""
 
-    def __init__(self, entries: int, tokens: int) -> None:
-        self._data: OrderedDict[Any, array[int]] = OrderedDict()
+    def __init__(self, entries: int, tokens: int, chars: int = MEMO_CHARS) -> None:
+        self._data: OrderedDict[Any, tuple[array[int], int]] = OrderedDict()
         self._entries = entries
         self._tokens = tokens
+        self._chars = chars
         self._stored = 0
+        self._stored_chars = 0
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
 
     def get(self, key: Any) -> array[int] | None:
         with self._lock:
-            value = self._data.get(key)
-            if value is None:
+            entry = self._data.get(key)
+            if entry is None:
                 self.misses += 1
                 return None
             self._data.move_to_end(key)
             self.hits += 1
-            return value
+            return entry[0]
 
-    def put(self, key: Any, value: Sequence[int]) -> None:
+    def put(self, key: Any, value: Sequence[int], chars: int) -> None:
+        """Keep `value` under `key`, a text of `chars` characters (or keyed by one)."""
         with self._lock:
-            if key in self._data:
+            if key in self._data or chars > self._chars:
                 return
-            self._data[key] = array("I", value)
+            self._data[key] = (array("I", value), chars)
             self._stored += len(value)
+            self._stored_chars += chars
             while self._data and (
                 len(self._data) > self._entries or self._stored > self._tokens
+                or self._stored_chars > self._chars
             ):
-                _, dropped = self._data.popitem(last=False)
+                _, (dropped, dropped_chars) = self._data.popitem(last=False)
                 self._stored -= len(dropped)
+                self._stored_chars -= dropped_chars
+
+    @property
+    def chars(self) -> int:
+        """Characters of text held as keys."""
+        return self._stored_chars
 
     def __len__(self) -> int:
         return len(self._data)
@@ -370,7 +387,7 @@ class ModelTokenizer:
         if hit is not None:
             return tuple(hit)
         ids = tuple(self._encode([text], add_special_tokens)[0])
-        self._texts.put(key, ids)
+        self._texts.put(key, ids, len(text))
         return ids
 
     def _encode(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
@@ -402,7 +419,7 @@ class ModelTokenizer:
             for i, fresh in zip(misses, encoded, strict=True):
                 out[i] = fresh
                 if len(pieces[i]) >= PIECE_MEMO_MIN_CHARS:
-                    self._pieces.put(pieces[i], fresh)
+                    self._pieces.put(pieces[i], fresh, len(pieces[i]))
         result: list[int] = []
         for piece_ids in out:
             if piece_ids:
@@ -441,7 +458,7 @@ class ModelTokenizer:
             return hit
         fresh = self._encode([piece], False)[0]
         if memoize:
-            self._pieces.put(piece, fresh)
+            self._pieces.put(piece, fresh, len(piece))
         return fresh
 
     def vocab(self) -> dict[str, int]:
@@ -620,6 +637,7 @@ class ModelTokenizer:
         return {
             "piece_entries": len(p), "piece_hits": p.hits, "piece_misses": p.misses,
             "text_entries": len(t), "text_hits": t.hits, "text_misses": t.misses,
+            "piece_chars": p.chars, "text_chars": t.chars,
         }
 
 

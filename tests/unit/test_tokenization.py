@@ -26,7 +26,7 @@ from router.tokenization import (
 )
 from router.tokenization.messages import conversation, tool_schemas
 from router.tokenization.offload import OFFLOAD_MIN_CHARS, TokenizePool, prompt_chars
-from router.tokenization.tokenizer import AddedTokenSplitter, chunks
+from router.tokenization.tokenizer import _LRU, AddedTokenSplitter, chunks
 from router.view import ServerPods, Snapshot
 from tests.sim_tokens import sim_server, sim_tokenizer
 
@@ -416,6 +416,20 @@ async def test_a_big_tool_list_is_tokenized_on_the_pool() -> None:
         assert pool.cpu.value > 0  # not inline on the event loop
     finally:
         pool.close()
+
+
+def test_memos_are_bounded_in_the_characters_they_keep() -> None:
+    memo = _LRU(entries=100, tokens=1_000_000, chars=1_000)
+    for i in range(10):
+        memo.put(f"{i}" * 300, [i], 300)  # a text of 300 characters encoding to one id
+    assert memo.chars <= 1_000 and len(memo) == 3  # the newest three
+    assert memo.get("9" * 300) is not None and memo.get("0" * 300) is None
+    memo.put("x" * 5_000, [1], 5_000)  # larger than the whole bound: not kept at all
+    assert memo.get("x" * 5_000) is None and memo.chars <= 1_000
+    tokenizer = sim_tokenizer()
+    before = tokenizer.memo_stats["text_chars"]
+    tokenizer.encode(" " * 20_000 + "end", add_special_tokens=False)
+    assert tokenizer.memo_stats["text_chars"] == before + 20_003  # counted as it is kept
 
 
 def _cut_by_definition(piece: str, size: int) -> list[str]:

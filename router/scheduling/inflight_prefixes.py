@@ -22,8 +22,9 @@ included), and the record lapses.
 Records are kept per (first block, pod), the newest `PER_POD` of each: a lookup costs the
 candidates x `PER_POD` comparisons whatever else is in flight (at a thousand requests a
 second behind one system prompt, a thousand records would share the first block). Bound:
-`MAX_RECORDS` records in all (the oldest is dropped first); lapsed ones are dropped as new
-ones arrive and skipped by lookups.
+`MAX_RECORDS` records and `MAX_RECORDED_BLOCKS` block hashes in all (the oldest records
+are dropped first; a prompt's hashes number up to the approximate index's
+`maxPromptBlocks`); lapsed ones are dropped as new ones arrive and skipped by lookups.
 
 With several router processes (`router.sync`), `listener` hears every local record and
 the others apply it (`apply_remote`): a prompt one worker or replica sent is in flight to
@@ -42,6 +43,8 @@ from typing import Final
 #: Bound on the prompts recorded at once (one per dispatched request until its prefill's
 #: predicted end + `EVENT_GRACE_S`: thousands only at thousands of prefills in flight).
 MAX_RECORDS: Final = 4096
+#: Bound on the block hashes those records hold together (about 36 bytes each).
+MAX_RECORDED_BLOCKS: Final = 1 << 20
 #: Records kept per pod for one opening block, the newest: prompts behind one system prompt
 #: share it with all of them, and a conversation's next turn rarely leaves within a second.
 PER_POD: Final = 4
@@ -63,11 +66,12 @@ class _Record:
 class InFlightPrefixes:
     """Per dispatched prompt: (pod, approximate block hashes, expiry)."""
 
-    __slots__ = ("_by_first", "_order", "listener")
+    __slots__ = ("_blocks", "_by_first", "_order", "listener")
 
     def __init__(self) -> None:
         self._by_first: dict[int, dict[str, deque[_Record]]] = {}
         self._order: deque[_Record] = deque()
+        self._blocks = 0  # hashes held by the records in `_order`
         #: Hears each local record: (pod, hashes, seconds until its prefill's predicted end).
         self.listener: Callable[[str, list[int], float], None] | None = None
 
@@ -90,10 +94,15 @@ class InFlightPrefixes:
             return
         ready_at = now + ready_in_s
         self._expire(now)
-        if len(self._order) >= MAX_RECORDS:
-            self._drop(self._order.popleft())
+        if len(hashes) > MAX_RECORDED_BLOCKS:
+            hashes = hashes[:MAX_RECORDED_BLOCKS]
+        order = self._order
+        while order and (len(order) >= MAX_RECORDS
+                         or self._blocks + len(hashes) > MAX_RECORDED_BLOCKS):
+            self._drop(order.popleft())
         rec = _Record(pod, hashes, max(ready_at, now) + EVENT_GRACE_S)
-        self._order.append(rec)
+        order.append(rec)
+        self._blocks += len(hashes)
         pods = self._by_first.get(hashes[0])
         if pods is None:
             pods = self._by_first[hashes[0]] = {}
@@ -135,6 +144,8 @@ class InFlightPrefixes:
             self._drop(order.popleft())
 
     def _drop(self, rec: _Record) -> None:
+        """Forget `rec`, just taken out of `_order`."""
+        self._blocks -= len(rec.hashes)
         first = rec.hashes[0]
         by_pod = self._by_first.get(first)
         if by_pod is None:
@@ -150,6 +161,11 @@ class InFlightPrefixes:
 
     def __len__(self) -> int:
         return len(self._order)
+
+    @property
+    def blocks(self) -> int:
+        """Block hashes the records hold (bounded by `MAX_RECORDED_BLOCKS`)."""
+        return self._blocks
 
 
 def _common(a: list[int], b: list[int]) -> int:

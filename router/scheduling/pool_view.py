@@ -50,8 +50,10 @@ POOL_KINDS: Final = frozenset({"mooncake-store", "mooncake", "store"})
 DEFAULT_POOL_CAPACITY_TOKENS: Final = 50_000_000
 #: Hard ceiling of one server's pool record, in blocks, whatever the annotation says.
 MAX_POOL_BLOCKS: Final = 1 << 21
-#: Bound of the dispatches waiting for their prefill to end before they count as pooled.
+#: Bound of the dispatches waiting for their prefill to end before they count as pooled,
+#: and of the block keys they carry together (a prompt's are up to `maxPromptBlocks`).
 MAX_PENDING: Final = 8192
+MAX_PENDING_BLOCKS: Final = 1 << 20
 #: Rough bytes per pool entry (an OrderedDict node and an int key), for the memory gauge.
 _BYTES_PER_ENTRY: Final = 100
 
@@ -114,28 +116,43 @@ class PendingWrites:
     right after another with the same prefix would find nothing to pull yet: counting the
     blocks at dispatch would send it to a cold pod. Each record waits until `ready_at`
     (dispatch time + the predicted prefill phase); `flush` applies the due ones (called at
-    every pick). Bounded by `MAX_PENDING`: beyond it the oldest is applied at once.
+    every pick). Bounded by `MAX_PENDING` records and `MAX_PENDING_BLOCKS` block keys:
+    beyond either the oldest is applied at once.
     """
 
     def __init__(self) -> None:
-        self._queue: deque[tuple[float, Callable[[], None]]] = deque()
+        self._queue: deque[tuple[float, Callable[[], None], int]] = deque()
+        self._blocks = 0
 
-    def defer(self, ready_at: float, apply: Callable[[], None]) -> None:
-        if len(self._queue) >= MAX_PENDING:
-            self._queue.popleft()[1]()
-        self._queue.append((ready_at, apply))
+    def defer(self, ready_at: float, apply: Callable[[], None], blocks: int) -> None:
+        """Call `apply` (which records `blocks` block keys) once `ready_at` has passed."""
+        queue = self._queue
+        while queue and (len(queue) >= MAX_PENDING
+                         or self._blocks + blocks > MAX_PENDING_BLOCKS):
+            self._apply(queue.popleft())
+        queue.append((ready_at, apply, blocks))
+        self._blocks += blocks
 
     def flush(self, now: float) -> None:
         queue = self._queue
         while queue and queue[0][0] <= now:
-            queue.popleft()[1]()
+            self._apply(queue.popleft())
         # Out-of-order ready times: a later dispatch may be due first; scan a few more.
         if queue and len(queue) < 64:
             due = [item for item in queue if item[0] <= now]
             if due:
                 for item in due:
                     queue.remove(item)
-                    item[1]()
+                    self._apply(item)
+
+    def _apply(self, item: tuple[float, Callable[[], None], int]) -> None:
+        self._blocks -= item[2]
+        item[1]()
+
+    @property
+    def blocks(self) -> int:
+        """Block keys the waiting records carry."""
+        return self._blocks
 
     def __len__(self) -> int:
         return len(self._queue)

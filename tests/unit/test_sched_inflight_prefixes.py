@@ -17,6 +17,7 @@ import pytest
 from router.scheduling.config import parse_scheduler_config
 from router.scheduling.inflight_prefixes import (
     EVENT_GRACE_S,
+    MAX_RECORDED_BLOCKS,
     MAX_RECORDS,
     PER_POD,
     InFlightPrefixes,
@@ -65,6 +66,18 @@ def test_the_table_is_bounded_in_all_and_per_pod() -> None:
         one.record("default/a", [7, i, i], ready_at=100.0, now=0.0)
     assert one.depths(["default/a"], [7, 0, 0], 1.0) == [1]  # the first two were dropped
     assert one.depths(["default/a"], [7, PER_POD + 1, PER_POD + 1], 1.0) == [3]
+
+
+def test_the_table_is_bounded_in_the_hashes_it_holds() -> None:
+    table = InFlightPrefixes()
+    long_prompt = 4096  # the approximate index's maxPromptBlocks
+    for i in range(MAX_RECORDS):
+        table.record(f"default/p{i % 8}", [i, *range(long_prompt - 1)], ready_at=100.0, now=0.0)
+    assert table.blocks <= MAX_RECORDED_BLOCKS
+    assert len(table) == MAX_RECORDED_BLOCKS // long_prompt  # the newest, whole
+    newest = MAX_RECORDS - 1
+    assert table.depths([f"default/p{newest % 8}"], [newest, 0, 1], 1.0) == [3]
+    assert table.depths(["default/p0"], [0, 0, 1], 1.0) is None  # the oldest went first
 
 
 def test_a_second_prompt_follows_the_first_before_the_engine_reports_its_blocks() -> None:

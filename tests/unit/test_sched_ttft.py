@@ -23,6 +23,7 @@ from router.scheduling.config import (
 )
 from router.scheduling.pool_view import (
     MAX_PENDING,
+    MAX_PENDING_BLOCKS,
     MAX_POOL_BLOCKS,
     POOL_ANNOTATION,
     POOL_CAPACITY_ANNOTATION,
@@ -209,17 +210,25 @@ def _runtime(
 def test_pending_writes_apply_when_due_and_stay_bounded() -> None:
     pending = PendingWrites()
     done: list[int] = []
-    pending.defer(2.0, lambda: done.append(2))
-    pending.defer(1.0, lambda: done.append(1))  # out of order: due first
+    pending.defer(2.0, lambda: done.append(2), 10)
+    pending.defer(1.0, lambda: done.append(1), 10)  # out of order: due first
     pending.flush(0.5)
     assert done == [] and len(pending) == 2
     pending.flush(1.5)
     assert done == [1]
     pending.flush(2.5)
     assert done == [1, 2] and len(pending) == 0
+    assert pending.blocks == 0
     for i in range(MAX_PENDING + 1):
-        pending.defer(99.0, lambda i=i: done.append(100 + i))  # type: ignore[misc]
+        pending.defer(99.0, lambda i=i: done.append(100 + i), 1)  # type: ignore[misc]
     assert len(pending) == MAX_PENDING and done[-1] == 100  # the oldest applied at once
+    pending.flush(100.0)
+    long_prompt = 4096  # blocks of a prompt at the approximate index's maxPromptBlocks
+    for i in range(MAX_PENDING):
+        pending.defer(199.0, lambda i=i: done.append(10_000 + i), long_prompt)  # type: ignore[misc]
+    assert pending.blocks <= MAX_PENDING_BLOCKS
+    assert len(pending) == MAX_PENDING_BLOCKS // long_prompt
+    assert done[-1] == 10_000 + MAX_PENDING - 1 - len(pending)  # the oldest applied early
 
 
 def test_a_declared_pool_is_known_from_dispatches_without_store_events() -> None:

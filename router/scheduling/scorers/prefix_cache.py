@@ -75,7 +75,8 @@ def record_approximate(
         per_block = approx.block_bytes / max(approx.chars_per_token, 1e-9)
         pools, scope = deps.pools, ctx.server_costs.scope
         blocks = pool.capacity_blocks(per_block)
-        deps.pending.defer(ctx.ready_at, lambda: pools.record(scope, hashes, blocks))
+        deps.pending.defer(ctx.ready_at, lambda: pools.record(scope, hashes, blocks),
+                           len(hashes))
 
 
 def approximate_scale_s(ctx: PickContext) -> float:

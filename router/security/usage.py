@@ -4,7 +4,10 @@ Non-streaming answers carry `usage` in their JSON. For streams the router asks t
 for `stream_options.include_usage`, and `StreamUsage` watches the SSE events going by: it
 records the usage chunk (the one with `"choices":[]` and a `usage` object) and drops it when
 the client did not ask for it. It only holds back an incomplete trailing event, so chunks
-are not delayed, and it parses only events that mention usage.
+are not delayed, and it parses only events that mention usage. An incomplete event past
+`MAX_HELD_EVENT_BYTES` is passed on as it is rather than held: an engine that never ends
+its event cannot make the router buffer (and copy) without bound, and a usage chunk is
+small.
 """
 
 from __future__ import annotations
@@ -13,6 +16,9 @@ from typing import Any
 
 import orjson
 
+#: An incomplete SSE event held back at most (vLLM's largest events carry a prompt's token
+#: ids or logprobs: hundreds of kilobytes); past it the bytes go on as they are.
+MAX_HELD_EVENT_BYTES = 4 * 1024 * 1024
 _EVENT_END = b"\n\n"
 _USAGE = b'"usage"'
 _DATA = b"data: "
@@ -68,6 +74,10 @@ class StreamUsage:
             data = self._tail + chunk if self._tail else chunk
             end = data.rfind(_EVENT_END)
             if end < 0:
+                if len(data) > MAX_HELD_EVENT_BYTES:  # not a usage chunk: pass it on
+                    self._tail = b""
+                    self.events += data.count(_DATA)
+                    return data
                 self._tail = data
                 return b""
             end += len(_EVENT_END)

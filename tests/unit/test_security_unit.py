@@ -17,7 +17,7 @@ from router.security.buckets import LocalBuckets, TokenBucket
 from router.security.config import SecurityConfig
 from router.security.limits import read_headers
 from router.security.ratelimit import TokenRateLimiter, estimate_prompt_tokens
-from router.security.usage import StreamUsage, body_completion_tokens
+from router.security.usage import MAX_HELD_EVENT_BYTES, StreamUsage, body_completion_tokens
 
 CHAT = "/v1/chat/completions"
 
@@ -220,6 +220,19 @@ def test_stream_without_usage_charges_one_token_per_event() -> None:
     usage = StreamUsage(hide=True)
     assert usage.feed(TOKENS + b"data: [DONE]\n\n") == TOKENS + b"data: [DONE]\n\n"
     assert usage.tokens is None and usage.charged == 7
+
+
+def test_an_event_that_never_ends_is_passed_on_not_held() -> None:
+    usage = StreamUsage(hide=True)
+    piece = b"x" * 65_536
+    first = b'data: {"choices": [{"text": "' + piece
+    fed, passed = len(first), len(usage.feed(first))
+    for _ in range(2 * MAX_HELD_EVENT_BYTES // len(piece)):
+        fed, passed = fed + len(piece), passed + len(usage.feed(piece))
+        assert fed - passed <= MAX_HELD_EVENT_BYTES  # never more held than the bound
+    assert passed > MAX_HELD_EVENT_BYTES
+    tail = usage.feed(b'"}]}\n\n' + STREAM)  # the event ends: usage is read again after it
+    assert usage.tokens == 7 and tail.endswith(b'"}]}\n\n' + TOKENS + b"data: [DONE]\n\n")
 
 
 def test_body_usage() -> None:

@@ -119,6 +119,15 @@ class PrefillBacklog:
         until = now if remote is None else max(now, remote.get(origin, now))
         self.set_remote(origin, key, until + service_s - now, now)
 
+    def replace_remote(self, origin: str, waits: dict[str, float], now: float) -> None:
+        """`origin`'s whole report (its heartbeat): pods it does not name have none of its
+        backlog left."""
+        for key in [k for k, remote in self._remote.items() if origin in remote
+                    and k not in waits]:
+            self.set_remote(origin, key, 0.0, now)
+        for key, wait_s in waits.items():
+            self.set_remote(origin, key, float(wait_s), now)
+
     def drop_origin(self, origin: str) -> None:
         """`origin` went silent or restarted: its reports no longer weigh on any pod."""
         for key in [k for k, remote in self._remote.items() if origin in remote]:

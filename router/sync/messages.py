@@ -15,7 +15,11 @@ A frame batches every message one event-loop turn produced. Messages, tagged by 
     (ENGINE, pod, running, waiting, kv_usage, capacity_tokens, at)
                                       the origin scraped `pod`'s engine (same host only:
                                       `at` is the host's monotonic clock)
-    (HEARTBEAT, {pod: count, ...})    the origin is alive; its whole in-flight report
+    (HEARTBEAT, {pod: count, ...}, {pod: backlog_s, ...})
+                                      the origin is alive; its whole in-flight report:
+                                      counts, and backlogs where not 0 (a receiver takes
+                                      a heartbeat without the backlogs, from an older
+                                      router, for the counts alone)
     (PLACE, leader, ask, server, model, path, flow, body)
                                       the origin asks `leader` to place a new prompt's
                                       request (`ask`: the origin's number for it)

@@ -30,8 +30,8 @@ decode happen on different turns): one send, and one wake-up of every other proc
 time. (A 20 ms window, so that a busy process would send nearly all of them with a pick
 and wake for none, saved no CPU the scale-out bench could see, for counts up to 20 ms
 staler: not kept.) A batch that would encode larger than `MAX_FRAME_BYTES` goes out as
-several frames. A heartbeat every `heartbeat_s` carries the whole in-flight report, so a
-dropped message is repaired within one heartbeat.
+several frames. A heartbeat every `heartbeat_s` carries the whole in-flight report (counts
+and prefill backlogs), so a dropped message is repaired within one heartbeat.
 
 New prompts: where a prompt no pod holds starts is decided by one process, the leader
 (the lowest origin among this process and its live peers). Two routers that receive one
@@ -356,7 +356,12 @@ class SyncNode:
             future.set_result(tuple(pods) or None)
 
     def heartbeat(self) -> None:
-        self._queue(self._pending, (m.HEARTBEAT, self.inflight.local_counts()))
+        """The whole report: counts, and the prefill backlog on each pod counted (a lost
+        frame's backlog is repaired as its count is)."""
+        counts = self.inflight.local_counts()
+        wait, now = self.backlog.own_wait_s, self._clock()
+        backlogs = {key: left for key in counts if (left := wait(key, now)) > 0.0}
+        self._queue(self._pending, (m.HEARTBEAT, counts, backlogs))
 
     # -- what the others changed ----------------------------------------------------------
 
@@ -466,6 +471,8 @@ class SyncNode:
                 self.prefilling.apply_remote(message[1], message[2], float(message[3]), now)
         elif kind == m.HEARTBEAT:
             self.inflight.replace_remote(origin, dict(message[1]))
+            if len(message) > 2:  # a sender from before backlogs were in the heartbeat
+                self.backlog.replace_remote(origin, dict(message[2]), now)
         elif kind == m.PLACE:
             self._on_place(origin, message)
         elif kind == m.PLACED:

@@ -200,6 +200,31 @@ def test_a_lost_message_is_repaired_by_the_heartbeat(pair: tuple[Node, Node, Clo
     assert two.node.metrics.messages.labels(direction="dropped")._value.get() == 1
 
 
+def test_a_lost_backlog_is_repaired_by_the_heartbeat(pair: tuple[Node, Node, Clock]) -> None:
+    one, two, clock = pair
+    key = POD_A.key
+    one.node.heartbeat()
+    one.deliver_to(two)
+    ticket = one.backlog.dispatch(key, 0.5, clock.now, idle=True)
+    one.inflight.acquire(POD_A)
+    one.node.flush()
+    one.frames.clear()  # the transport lost the dispatch's report
+    one.node.heartbeat()
+    one.deliver_to(two)
+    assert two.backlog.wait_s(key, clock.now) == pytest.approx(0.5)
+    clock.now += 0.1
+    one.backlog.finished(key, ticket, clock.now)  # done early
+    one.node.flush()
+    one.frames.clear()  # lost again
+    assert two.backlog.wait_s(key, clock.now) == pytest.approx(0.4)
+    one.node.heartbeat()  # the pod is still counted, with no backlog left
+    one.deliver_to(two)
+    assert two.backlog.wait_s(key, clock.now) == 0.0
+    old_heartbeat = m.encode("h.0", "h", 99, [(m.HEARTBEAT, {key: 1})])  # an older router
+    two.node.apply(old_heartbeat)
+    assert two.inflight.get(POD_A) == 1
+
+
 def test_a_silent_peer_expires_after_the_ttl(pair: tuple[Node, Node, Clock]) -> None:
     one, two, clock = pair
     one.inflight.acquire(POD_A)

@@ -108,25 +108,31 @@ def resolve(
     # Two passes over a handful of targets instead of building a list per request.
     total = 0
     existing = 0
+    weighted = 0
+    chosen: ServerPods | None = None  # the one target with weight, if only one has any
     for target in rule.target_models:
-        if (namespace, target.model_server_name) in servers:
+        server = servers.get((namespace, target.model_server_name))
+        if server is not None:
             existing += 1
             total += target.weight
+            if target.weight:
+                weighted += 1
+                chosen = server
     if existing == 0:
         raise NoRoute(model, f"no target ModelServer of rule {rule.name!r} exists")
     if total == 0:
         raise NoRoute(model, f"every existing target of rule {rule.name!r} has weight 0")
 
-    point = rng.randrange(total)
-    chosen: ServerPods | None = None
-    for target in rule.target_models:
-        server = servers.get((namespace, target.model_server_name))
-        if server is None or target.weight == 0:
-            continue
-        point -= target.weight
-        if point < 0:
-            chosen = server
-            break
+    if weighted > 1:  # a weighted split: draw (a route with one target, the common one, does not)
+        point = rng.randrange(total)
+        for target in rule.target_models:
+            server = servers.get((namespace, target.model_server_name))
+            if server is None or target.weight == 0:
+                continue
+            point -= target.weight
+            if point < 0:
+                chosen = server
+                break
     assert chosen is not None  # point < total, so the walk always lands
     upstream = chosen.server.model
     return RouteDecision(

@@ -178,6 +178,15 @@ def test_weights_are_respected() -> None:
     assert counts["b"] / n == pytest.approx(0.2, abs=0.015)
 
 
+def test_a_route_with_one_weighted_target_draws_nothing() -> None:
+    for targets in ((("a", 100),), (("a", 100), ("b", 0)), (("gone", 50), ("a", 50))):
+        snap = snapshot(mr(rule("r", *targets)), ms("a"), ms("b"))
+        rng = random.Random(7)
+        state = rng.getstate()
+        assert resolve(snap, "llama", {}, CHAT, rng).server.server.meta.name == "a"
+        assert rng.getstate() == state  # no draw spent on a choice of one
+
+
 def test_seeded_rng_is_deterministic() -> None:
     snap = snapshot(mr(rule("r", ("a", 50), ("b", 50))), ms("a"), ms("b"))
 

@@ -34,6 +34,10 @@ class PromptTokenizer(Protocol):
 
     def token_strs(self, ids: Sequence[int]) -> list[str]: ...
 
+    @property
+    def max_token_id(self) -> int:
+        """The largest id in the vocabulary (vLLM's `tokenizer.max_token_id`)."""
+
 
 class StandInTokenizer:
     """`engine_sim.tokenizer` behind the `PromptTokenizer` protocol (ids are not decodable)."""
@@ -67,6 +71,10 @@ class StandInTokenizer:
             else:
                 raise ChatInputError("'prompt' must be a string, token ids, or a list of either")
         return out
+
+    @property
+    def max_token_id(self) -> int:
+        return stand_in.VOCAB_SIZE - 1
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return " ".join(f"<{i}>" for i in ids)

@@ -77,7 +77,11 @@ def _prompt_tokens(
             "(the simulator serves one prompt per request)",
             param="prompt",
         )
-    return prompts[0]
+    ids = prompts[0]
+    highest = max(ids, default=0)
+    if highest > tokenizer.max_token_id:  # vLLM's `_validate_model_input`: a 400
+        raise RequestError(f"Token id {highest} is out of vocabulary", param="prompt")
+    return ids
 
 
 def parse_request(

@@ -306,6 +306,7 @@ class ModelTokenizer:
         self._splitter = AddedTokenSplitter(added) if added else None
         self.piecewise = piecewise
         self.chunked = piecewise and chunked
+        self._max_token_id: int | None = None
         self._pieces = _LRU(PIECE_MEMO_ENTRIES, PIECE_MEMO_TOKENS)
         self._texts = _LRU(TEXT_MEMO_ENTRIES, PIECE_MEMO_TOKENS)
 
@@ -379,6 +380,14 @@ class ModelTokenizer:
     @property
     def vocab_size(self) -> int:
         return int(self._backend.get_vocab_size(with_added_tokens=True))
+
+    @property
+    def max_token_id(self) -> int:
+        """The largest id in the vocabulary, added tokens included (vLLM's
+        `tokenizer.max_token_id`: ids need not be contiguous)."""
+        if self._max_token_id is None:
+            self._max_token_id = max(self._backend.get_vocab(with_added_tokens=True).values())
+        return self._max_token_id
 
     def encode(self, text: str, add_special_tokens: bool = True) -> tuple[int, ...]:
         """Token ids of `text` (whole-text memo)."""

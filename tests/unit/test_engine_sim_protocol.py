@@ -45,6 +45,8 @@ def test_completion_prompt_shapes(prompt: Any) -> None:
         ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
         ({"prompt": "x", "max_tokens": 2, "min_tokens": 3}, 400, "min_tokens"),
         ({"prompt": "x", "max_tokens": 64}, 400, "max_tokens"),
+        ({"prompt": [5, TOKENIZER.max_token_id + 1]}, 400, "prompt"),  # vLLM: out of vocabulary
+        ({"prompt": [1099511627776]}, 400, "prompt"),
     ],
 )
 def test_completion_errors(body: dict[str, Any], status: int, param: str) -> None:

@@ -14,6 +14,7 @@ from typing import Any, Final, Literal
 import orjson
 
 from router import api_surface
+from router.api_surface import MAX_TOKEN_ID
 from router.errors import APIError, bad_request
 from router.sampling_bounds import BOUNDS, COMPLETION_LOGPROBS, check_sampling
 
@@ -24,6 +25,8 @@ MAX_TOKENS_LIMIT = 1_000_000
 #: levels but writes only 254, so a deeper body would fail when forwarded.
 MAX_NESTING_DEPTH = 32
 MAX_MODEL_CHARS = 256
+#: A body field the router drops from every client request (see `parse_request`).
+CLIENT_FORBIDDEN_FIELD: Final = "kv_transfer_params"
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
@@ -106,6 +109,10 @@ def parse_request(path: str, raw: bytes, max_body_bytes: int = MAX_BODY_BYTES) -
     if not isinstance(body, dict):
         raise bad_request("The body must be a JSON object.", code="invalid_json")
     _check_depth(body)
+    # The KV hand-off between pods is the router's to set (its connectors write it):
+    # from a client it could point an engine's KV transfer at any host, or at another
+    # request's blocks.
+    body.pop(CLIENT_FORBIDDEN_FIELD, None)
 
     model = body.get("model")
     if not isinstance(model, str) or not model:
@@ -179,11 +186,32 @@ def _check_messages(messages: object) -> None:
 
 
 def _check_prompt(prompt: object) -> None:
+    """A string, strings, token ids or arrays of token ids (vLLM's `prompt` union), each
+    id in 0..`MAX_TOKEN_ID`: an id past any vocabulary is the client's error, answered
+    here, not a prefill failure to retry on every pod (which engines may not survive)."""
     if isinstance(prompt, str):
         return
-    if isinstance(prompt, list) and prompt:
-        return
-    raise bad_request("`prompt` must be a string or a non-empty array.", param="prompt")
+    if not isinstance(prompt, list) or not prompt:
+        raise bad_request("`prompt` must be a string or a non-empty array.", param="prompt")
+    first = prompt[0]
+    if isinstance(first, str):
+        ok = all(isinstance(item, str) for item in prompt)
+    elif isinstance(first, list):
+        ok = all(isinstance(item, list) and _token_ids(item) for item in prompt)
+    else:
+        ok = _token_ids(prompt)
+    if not ok:
+        raise bad_request(
+            "`prompt` must be a string, an array of strings, an array of token ids "
+            f"(integers from 0 to {MAX_TOKEN_ID}) or an array of such arrays.", param="prompt"
+        )
+
+
+def _token_ids(values: list[Any]) -> bool:
+    for value in values:
+        if type(value) is not int or not 0 <= value <= MAX_TOKEN_ID:
+            return False
+    return True
 
 
 def _check_token_count(body: dict[str, Any], name: str, lowest: int = 1) -> None:

@@ -1,0 +1,36 @@
+"""The request body as the router checks it before any pod is chosen: the shapes of a
+completion's `prompt`, and the fields a client may not set."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+
+from router.errors import APIError
+from router.request import CHAT_PATH, COMPLETIONS_PATH, parse_request
+
+
+@pytest.mark.parametrize("prompt", [[2**40], [-1], [True], [1, "a"], ["a", 1], [[1], 2],
+                                    [[1, 2**31]], [1.0], [None]])
+def test_a_prompt_of_token_ids_out_of_range_or_mixed_is_a_400(prompt: list[Any]) -> None:
+    raw = orjson.dumps({"model": "m", "prompt": prompt})
+    with pytest.raises(APIError) as caught:
+        parse_request(COMPLETIONS_PATH, raw)
+    assert caught.value.status == 400 and caught.value.param == "prompt"
+
+
+@pytest.mark.parametrize("prompt", ["a", ["a", ""], [0, 2**31 - 1], [[1, 2], [3]], [[]]])
+def test_every_prompt_shape_engines_take_passes(prompt: Any) -> None:
+    assert parse_request(COMPLETIONS_PATH, orjson.dumps({"model": "m", "prompt": prompt}))
+
+
+@pytest.mark.parametrize("path", [CHAT_PATH, COMPLETIONS_PATH])
+def test_a_clients_kv_transfer_params_never_reach_an_engine(path: str) -> None:
+    fields = ({"messages": [{"role": "user", "content": "hi"}]} if path == CHAT_PATH
+              else {"prompt": "hi"})
+    handle = {"do_remote_prefill": True, "remote_host": "10.0.0.1", "remote_block_ids": [7]}
+    parsed = parse_request(path, orjson.dumps({"model": "m", **fields,
+                                               "kv_transfer_params": handle}))
+    assert "kv_transfer_params" not in parsed.body  # every path forwards this body

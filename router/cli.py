@@ -210,6 +210,7 @@ def _edge_config(args: argparse.Namespace, security: SecurityConfig) -> EdgeConf
         idle_timeout_s=args.idle_timeout,
         max_connections=args.max_connections,
         max_head_bytes=head_bytes_bound(security.max_header_bytes, security.max_headers),
+        max_body_bytes=security.max_body_bytes,
     )
 
 

@@ -8,7 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from router.security.config import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADERS
+from router.security.config import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_HEADER_BYTES,
+    DEFAULT_MAX_HEADERS,
+)
 
 #: Seconds a client gets to send a complete request head (request line and headers),
 #: counted from the connection's accept or from the first byte of the head: slowloris
@@ -50,9 +54,11 @@ class EdgeConfig:
     idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     max_head_bytes: int = head_bytes_bound(DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADERS)
+    #: A body declared (Content-Length) past this is refused from the head (413).
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
     def __post_init__(self) -> None:
         for name in ("header_timeout_s", "body_timeout_s", "idle_timeout_s",
-                     "max_connections", "max_head_bytes"):
+                     "max_connections", "max_head_bytes", "max_body_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")

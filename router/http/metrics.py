@@ -11,7 +11,8 @@ from collections.abc import Sized
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 #: Why the edge closed a connection itself (the `reason` label's values).
-REFUSAL_REASONS = ("max_connections", "header_too_large", "header_timeout", "body_timeout")
+REFUSAL_REASONS = ("max_connections", "header_too_large", "header_timeout", "body_timeout",
+                   "body_too_large")
 
 
 class ListenerMetrics:

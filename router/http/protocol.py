@@ -19,6 +19,9 @@ connection and never per chunk:
   head; then 408 and close. Between requests uvicorn's keep-alive timer closes a
   connection idle for `idle_timeout_s`. The timers run only while a read is incomplete:
   a request that arrives in one read arms none.
+- **A declared body past the bound.** A head whose Content-Length exceeds
+  `max_body_bytes` gets a 413 at once and the connection is closed (its body is never
+  read; a client that sent `Expect: 100-continue` is answered instead of invited).
 - **A connection cap.** Past `max_connections` open connections on a listener a new one
   gets a 503 with `Retry-After` and is closed at once.
 - **HTTP/1.0.** A 1.0 client cannot read chunked encoding: an answer without a
@@ -57,6 +60,7 @@ from uvicorn.protocols.http.httptools_impl import (
 from router.errors import APIError
 from router.http.config import EdgeConfig
 from router.http.metrics import ListenerMetrics
+from router.request import body_too_large
 from router.security.limits import headers_too_large
 
 #: The head a fresh parser is primed with when an upgrade request's body must be read:
@@ -147,6 +151,7 @@ class EdgeProtocol(HttpToolsProtocol):
         self._priming = False  # a fresh parser is reading our primer head
         #: A request refused from its head: the error and when; answered at its end.
         self._refused: tuple[APIError, float] | None = None
+        self._closed_at_head = False  # answered from the head and closing: parse no more
         self._timer: asyncio.TimerHandle | None = None
 
     # --- connection ---------------------------------------------------------------------
@@ -240,11 +245,16 @@ class EdgeProtocol(HttpToolsProtocol):
         super().on_message_begin()
 
     def on_headers_complete(self) -> None:
-        if self._priming:
+        if self._priming or self._closed_at_head:
             return
         self._in_head = False
         if self._timer is not None:
             self._disarm()
+        if self._declares_too_large_a_body():
+            self._closed_at_head = True
+            self._refuse("body_too_large", _answer(
+                body_too_large(self.edge.max_body_bytes), self.server_state.default_headers))
+            return
         if self.parser.should_upgrade():
             self._upgrade_skipped_body = True  # see `_read_body_as_body`
         elif self.refuse_early is not None and self._may_refuse_early():
@@ -259,11 +269,11 @@ class EdgeProtocol(HttpToolsProtocol):
             self.cycle.__class__ = Http10Cycle if is_10 else EdgeCycle
 
     def on_body(self, body: bytes) -> None:
-        if self._refused is None:
+        if self._refused is None and not self._closed_at_head:
             super().on_body(body)
 
     def on_message_complete(self) -> None:
-        if self._upgrade_skipped_body:
+        if self._upgrade_skipped_body or self._closed_at_head:
             return  # not the end: the body is still to come (see `_read_body_as_body`)
         self._in_head = True
         self._head_started = False
@@ -274,6 +284,15 @@ class EdgeProtocol(HttpToolsProtocol):
             self._answer_refused()
             return
         super().on_message_complete()
+
+    def _declares_too_large_a_body(self) -> bool:
+        """Whether the head's Content-Length is past `max_body_bytes`: answered 413 from
+        the head and the connection closed, rather than read until the body timeout (a
+        client waiting on `Expect: 100-continue` is told before it sends anything)."""
+        for name, value in self.headers:
+            if name == b"content-length":
+                return value.isdigit() and int(value) > self.edge.max_body_bytes
+        return False
 
     def _may_refuse_early(self) -> bool:
         """Whether an answer written now would be this request's, on a connection that

@@ -385,6 +385,24 @@ def test_slowloris_silent_and_slow_body_connections_are_closed(strict: Router) -
                       reason="body_timeout") == refused["body_timeout"] + 20
 
 
+def test_a_body_declared_past_the_limit_is_refused_from_the_head(router: Router) -> None:
+    refused = metric_sum(router.metrics(), "pdgate_connections_refused_total",
+                         reason="body_too_large")
+    too_large = 8 * 1024 * 1024 + 1  # --max-body-bytes' default, plus one
+    for extra in ((), ("Expect: 100-continue",)):
+        started = time.monotonic()
+        # Only the head and two bytes are sent: the answer must not wait for the rest.
+        received = converse(router.port, [post_head(router.port, too_large, *extra) + b"{}"],
+                            limit_s=10.0)
+        assert time.monotonic() - started < 5.0  # not the 60 s body timeout
+        assert not received.startswith(b"HTTP/1.1 100"), received[:200]  # no invitation
+        (answer,) = parse_answers(received)
+        assert answer.status == 413, received[:200]
+        assert json.loads(answer.body)["error"]["code"] == "request_too_large"
+    assert metric_sum(router.metrics(), "pdgate_connections_refused_total",
+                      reason="body_too_large") == refused + 2
+
+
 def test_idle_keep_alive_connection_is_closed_after_a_complete_request(
     strict: Router,
 ) -> None:

@@ -33,6 +33,9 @@ connection and never per chunk:
   the app (the kernel's read and write are most of what is left). Only an HTTP/1.1
   keep-alive request with nothing ahead of it on the connection and no `Expect` takes
   this path; any other goes to the app, which answers the same 503.
+- **Malformed requests** get an OpenAI-shaped 400 (`invalid_http_request`; uvicorn's is
+  plain text) and the connection closes, after the answers to any valid requests sent
+  ahead of them on it.
 - **A direct write path.** An HTTP/1.1 request's cycle is an `EdgeCycle`: besides the
   ASGI `send`, it lets the data path (`direct_writer`) write its answer without a
   message dict and two coroutines per chunk, and with the head held back until the first
@@ -57,7 +60,7 @@ from uvicorn.protocols.http.httptools_impl import (
     RequestResponseCycle,
 )
 
-from router.errors import APIError
+from router.errors import APIError, bad_request
 from router.http.config import EdgeConfig
 from router.http.metrics import ListenerMetrics
 from router.request import body_too_large
@@ -152,6 +155,7 @@ class EdgeProtocol(HttpToolsProtocol):
         #: A request refused from its head: the error and when; answered at its end.
         self._refused: tuple[APIError, float] | None = None
         self._closed_at_head = False  # answered from the head and closing: parse no more
+        self._owed_400: bytes | None = None  # a malformed request's answer, after the rest
         self._timer: asyncio.TimerHandle | None = None
 
     # --- connection ---------------------------------------------------------------------
@@ -216,6 +220,31 @@ class EdgeProtocol(HttpToolsProtocol):
         message = "Invalid HTTP request received."
         self.logger.warning(message)
         self.send_400_response(message)
+
+    def send_400_response(self, msg: str) -> None:
+        """The answer to bytes that are not an HTTP request, in OpenAI's shape (uvicorn's
+        is plain text), then the connection closes. Answers still owed on the connection
+        go first: a malformed request pipelined behind a valid one no longer cancels it
+        (reading stops; `on_response_complete` writes this once they are out)."""
+        answer = _answer(bad_request(msg, code="invalid_http_request"),
+                         self.server_state.default_headers)
+        if (self.cycle is None or self.cycle.response_complete) and not self.pipeline:
+            self.transport.write(answer)
+            self.transport.close()
+            return
+        self._owed_400 = answer
+        self.flow.pause_reading()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        owed = self._owed_400
+        if owed is not None and not self.pipeline and (
+            self.cycle is None or self.cycle.response_complete
+        ):
+            self._owed_400 = None
+            if not self.transport.is_closing():
+                self.transport.write(owed)
+                self.transport.close()
 
     def _read_body_as_body(self) -> None:
         """Hand the connection to a fresh parser that reads the upgrade request's body.

@@ -403,6 +403,23 @@ def test_a_body_declared_past_the_limit_is_refused_from_the_head(router: Router)
                       reason="body_too_large") == refused + 2
 
 
+def test_malformed_requests_get_an_openai_400_after_the_valid_ones_ahead(
+    router: Router,
+) -> None:
+    body = chat_body("first, then garbage")
+    valid = post_head(router.port, len(body)) + body
+    for garbage in (b"GARBAGE\r\n\r\n", b"POST /v1/chat/completions HTTP/1.1\r\n"
+                    b"Content-Length: 5\r\nContent-Length: 6\r\n\r\n"):
+        answers = parse_answers(converse(router.port, [valid + garbage], limit_s=10.0))
+        assert [a.status for a in answers] == [200, 400]  # the valid one is not cancelled
+        assert json.loads(answers[0].body)["choices"]
+        error = json.loads(answers[1].body)["error"]
+        assert error["code"] == "invalid_http_request" and error["message"]
+        assert answers[1].headers["connection"] == "close"
+    (alone,) = parse_answers(converse(router.port, [b"FOO / HTTP/1.1\r\nHost: x\r\n\r\n"]))
+    assert alone.status == 400 and alone.headers["content-type"] == "application/json"
+
+
 def test_idle_keep_alive_connection_is_closed_after_a_complete_request(
     strict: Router,
 ) -> None:

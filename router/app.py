@@ -39,6 +39,7 @@ from starlette.convertors import Convertor, register_url_convertor
 from router import control_errors
 from router.errors import APIError, method_not_allowed, model_not_found
 from router.http.protocol import EdgeCycle, direct_writer
+from router.proxy import request_id_for
 from router.request import (
     ENDPOINTS,
     ParsedRequest,
@@ -174,6 +175,7 @@ class PDGateApp:
         this = asyncio.current_task()
         assert this is not None
         drain.enter(this)
+        headers: dict[str, str] | None = None  # once the head passed its checks
         try:
             headers = _check_head(state, scope["method"], scope["headers"])
             limits = state.security.config
@@ -181,7 +183,8 @@ class PDGateApp:
                 # Shed before parsing: the body is read (the connection stays usable) but
                 # no JSON is parsed, no route resolved, no counter taken.
                 if await _read_body(receive, limits.max_body_bytes) is not None:
-                    await out.error(state.resilience.admission.refuse_saturated())
+                    await out.error(state.resilience.admission.refuse_saturated(),
+                                    request_id_for(headers))
                 return
             raw = await _read_body(receive, limits.max_body_bytes)
             if raw is None:
@@ -194,9 +197,9 @@ class PDGateApp:
             else:
                 work = state.proxy.serve(parsed, headers, out)
             await _until_disconnect(work, receive, out, direct_writer(send))
-        except APIError as exc:
+        except APIError as exc:  # refused before the proxy gave the request its id
             if not out.started:
-                await out.error(exc)
+                await out.error(exc, request_id_for(headers))
         except ClientGone:
             out.status = CLIENT_CLOSED
         except asyncio.CancelledError:
@@ -208,7 +211,8 @@ class PDGateApp:
         except Exception:
             log.exception("unexpected error serving %s", scope["path"])
             if not out.started:
-                await out.error(APIError(500, "Internal error.", type="internal_error"))
+                await out.error(APIError(500, "Internal error.", type="internal_error"),
+                                request_id_for(headers))
         finally:
             drain.leave(this)
             state.metrics.request_done(
@@ -237,7 +241,7 @@ def _check_head(state: AppState, method: str, raw: Iterable[tuple[bytes, bytes]]
     if state.resilience.drain.draining:
         raise shutting_down()
     if method != "POST":
-        raise method_not_allowed(method)
+        raise method_not_allowed(method, allow="POST")
     limits = state.security.config
     headers = read_headers(raw, limits.max_headers, limits.max_header_bytes)
     if state.security.api_keys is not None:

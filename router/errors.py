@@ -87,8 +87,10 @@ def gateway_timeout(message: str = "The request timed out upstream.") -> APIErro
     return APIError(504, message, type="timeout", code="upstream_timeout")
 
 
-def method_not_allowed(method: str) -> APIError:
-    return APIError(405, f"Method {method} is not allowed here.", code="method_not_allowed")
+def method_not_allowed(method: str, allow: str | None = None) -> APIError:
+    """A 405; `allow` lists the methods the path takes (its `Allow` header)."""
+    return APIError(405, f"Method {method} is not allowed here.", code="method_not_allowed",
+                    headers={"allow": allow} if allow else None)
 
 
 def upstream_message(body: bytes) -> str | None:

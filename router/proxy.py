@@ -97,6 +97,15 @@ class _RetryRefused(Exception):
     """A retry that was not made (budget spent, or only ejected pods left)."""
 
 
+def request_id_for(client_headers: Mapping[str, str] | None) -> str:
+    """The request's id: the client's `x-request-id` when it is a sane token, else a fresh
+    one (uuid4().hex's form, a fifth of its cost)."""
+    request_id = None if client_headers is None else client_headers.get("x-request-id")
+    if request_id is None or not _REQUEST_ID.fullmatch(request_id):
+        request_id = os.urandom(16).hex()
+    return request_id
+
+
 class Proxy:
     def __init__(
         self,
@@ -129,9 +138,7 @@ class Proxy:
         """Answer one request, with the decode pod's answer or an OpenAI error."""
         out.clock.lap("admission")
         out.sse_error = stream_error_form(parsed)
-        request_id = client_headers.get("x-request-id")
-        if request_id is None or not _REQUEST_ID.fullmatch(request_id):
-            request_id = os.urandom(16).hex()  # uuid4().hex's form, a fifth of its cost
+        request_id = request_id_for(client_headers)
         tracing = self.tracing
         if tracing is None:
             await self._serve(parsed, client_headers, out, request_id, None)

@@ -300,8 +300,19 @@ async def test_unknown_routes_and_methods_answer_openai_errors(
             assert _is_openai_error(await r.json())["code"] == "method_not_allowed"
         async with session.get(f"{router.url}/v1/chat/completions") as r:
             assert r.status == 405
+            assert r.headers["allow"] == "POST"
+            assert r.headers["x-request-id"]
             _is_openai_error(await r.json())
+        # The router's own refusals carry the request's id too: the client's when it sent
+        # one, else a fresh one (the SDK reads it as `request_id`).
+        bad = {"model": MODEL, "messages": [], "max_tokens": 2}
+        async with session.post(f"{router.url}/v1/chat/completions", json=bad,
+                                headers={"x-request-id": "mine-1"}) as r:
+            assert r.status == 400 and r.headers["x-request-id"] == "mine-1"
     client = _client(router)
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.chat.completions.create(model=MODEL, messages=[], max_tokens=2)
+    assert refused.value.request_id
     with pytest.raises(openai.NotFoundError) as caught:
         await client.get("/nothing-here", cast_to=object)
     assert "Invalid URL (GET /v1/nothing-here)" in caught.value.message

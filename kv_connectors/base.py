@@ -54,6 +54,7 @@ class UpstreamError(Exception):
         status: int | None = None,
         pod: PodAddress | None = None,
         phase: str = "prefill",
+        param: str | None = None,
     ) -> None:
         super().__init__(message)
         self.reason = reason
@@ -62,6 +63,7 @@ class UpstreamError(Exception):
         self.status = status
         self.pod = pod
         self.phase = phase
+        self.param = param  # the field a refusing engine named, passed on to the client
 
 
 class PrefillClient(Protocol):

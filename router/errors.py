@@ -115,6 +115,24 @@ def upstream_message(body: bytes) -> str | None:
     return None
 
 
+#: What an engine's `param` may look like to be passed on: a field name or path.
+_PARAM = re.compile(r"[A-Za-z0-9_.\[\]-]{1,128}")
+
+
+def upstream_param(body: bytes) -> str | None:
+    """The `param` an engine's error body names (vLLM's nested or the flat shape), when it
+    looks like a field name; None otherwise."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(data, dict):
+        return None
+    inner = data.get("error")
+    param = inner.get("param") if isinstance(inner, dict) else data.get("param")
+    return param if isinstance(param, str) and _PARAM.fullmatch(param) else None
+
+
 def scrub(message: str) -> str | None:
     """An engine's message made safe for a client: no addresses, no traceback, bounded.
 

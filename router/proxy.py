@@ -666,7 +666,7 @@ def _client_error(exc: UpstreamError) -> APIError:
         return gateway_timeout(exc.message)
     if _clients_fault(exc):
         assert exc.status is not None
-        return APIError(exc.status, exc.message, code="upstream_rejected")
+        return APIError(exc.status, exc.message, param=exc.param, code="upstream_rejected")
     return bad_gateway(exc.message, code=exc.reason)
 
 

@@ -18,7 +18,7 @@ import aiohttp
 import orjson
 
 from kv_connectors.base import PodAddress, UpstreamError
-from router.errors import upstream_message
+from router.errors import upstream_message, upstream_param
 from router.http_client import ConnectionBroken, Pool, Response
 
 MAX_CONNECTIONS = 1024
@@ -189,7 +189,8 @@ def status_error(status: int, raw: bytes, pod: PodAddress | None, phase: str) ->
     if 400 <= status < 500 and status not in (408, 429):
         message = upstream_message(raw) or f"The engine refused the request ({status})."
         return UpstreamError(
-            f"status_{status}", message, retryable=False, status=status, pod=pod, phase=phase
+            f"status_{status}", message, retryable=False, status=status, pod=pod, phase=phase,
+            param=upstream_param(raw),
         )
     return UpstreamError(
         "status_5xx" if status >= 500 else f"status_{status}",

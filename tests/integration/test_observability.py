@@ -330,6 +330,8 @@ async def test_client_errors_and_unknown_models_stay_out_of_upstream_and_model_s
             max_tokens=2 * MAX_MODEL_LEN,
         )
     assert "context length" in caught.value.message
+    assert isinstance(caught.value.body, dict)
+    assert caught.value.body["param"] == "max_tokens"  # the field the engine named
     with pytest.raises(openai.NotFoundError):
         await client.chat.completions.create(
             model="no-such-model", messages=[{"role": "user", "content": "hi"}], max_tokens=2)

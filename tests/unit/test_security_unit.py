@@ -9,7 +9,7 @@ import orjson
 import pytest
 from prometheus_client import CollectorRegistry
 
-from router.errors import APIError, scrub, upstream_message
+from router.errors import APIError, scrub, upstream_message, upstream_param
 from router.request import MAX_NESTING_DEPTH, parse_request
 from router.resources import ModelRoute, ObjectMeta, RateLimit
 from router.security.api_keys import APIKeys
@@ -281,6 +281,17 @@ def test_engine_messages_are_scrubbed() -> None:
     assert scrub("Traceback (most recent call last): ...") is None
     assert scrub("x" * 2000) == "x" * 512
     assert upstream_message(b'{"error": {"message": "at [fe80::1]:80"}}') == "at <address>"
+
+
+def test_an_engines_param_is_passed_on_when_it_names_a_field() -> None:
+    nested = b'{"error": {"message": "m", "type": "BadRequestError", "param": "max_tokens"}}'
+    assert upstream_param(nested) == "max_tokens"
+    assert upstream_param(b'{"object": "error", "message": "m", "param": "messages[0]"}') == (
+        "messages[0]")
+    for body in (b'{"error": {"message": "m", "param": null}}', b'{"error": {"param": 3}}',
+                 b'{"error": {"param": "a b <script>"}}', b"not json", b"[]"):
+        assert upstream_param(body) is None
+
 
 
 def test_security_config_refuses_bad_values() -> None:

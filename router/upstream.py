@@ -19,7 +19,7 @@ import orjson
 
 from kv_connectors.base import PodAddress, UpstreamError
 from router.errors import upstream_message, upstream_param
-from router.http_client import ConnectionBroken, Pool, Response
+from router.http_client import ConnectFailed, ConnectionBroken, Pool, Response
 
 MAX_CONNECTIONS = 1024
 MAX_CONNECTIONS_PER_POD = 256
@@ -213,6 +213,13 @@ def _json_object(raw: bytes, pod: PodAddress, phase: str) -> dict[str, Any]:
 
 
 def _connect_error(exc: Exception, pod: PodAddress | None, phase: str) -> UpstreamError:
+    """No connection (`ConnectFailed`, aiohttp's errors), or one the engine closed after
+    the request went out and before its answer was whole: either may be retried."""
+    if isinstance(exc, ConnectionBroken) and not isinstance(exc, ConnectFailed):
+        return UpstreamError(
+            "disconnect", f"The engine closed the connection before answering ({phase}).",
+            retryable=True, pod=pod, phase=phase,
+        )
     return UpstreamError(
         "connect", f"Could not reach the engine for {phase}.", retryable=True, pod=pod,
         phase=phase,

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import pytest
 
+from kv_connectors.base import UpstreamError
 from router.http_client import HIGH_WATER, ConnectFailed, ConnectionBroken, Pool
-from router.upstream import request_head
+from router.upstream import Upstream, request_head
 
 BIG = 1024 * 1024
 
@@ -39,6 +41,8 @@ class Server:
                               if line.lower().startswith("content-length:"))
                 body = await reader.readexactly(length)
                 self.requests.append((path, body))
+                if path == "/hang-up":  # read the request, answer nothing, close
+                    return
                 if path == "/hang":  # answer nothing; return once the client hangs up
                     await reader.read(1)
                     return
@@ -393,3 +397,24 @@ async def test_push_mode_raises_when_the_stream_breaks(server: Server) -> None:
     assert b"".join(received) == b"data: "
     response.release()
     await pool.close()
+
+
+async def test_an_engine_that_hangs_up_is_told_apart_from_one_never_reached(
+    server: Server,
+) -> None:
+    upstream = Upstream()
+    deadline = asyncio.get_running_loop().time() + 5.0
+    try:
+        with pytest.raises(UpstreamError) as dropped:  # the request went out, no answer came
+            await upstream.open(_Pod("127.0.0.1", server.port), "/hang-up", b"{}", {},
+                                deadline, "decode")
+        assert dropped.value.reason == "disconnect" and dropped.value.retryable
+        assert "closed the connection" in dropped.value.message
+        with socket.socket() as unused:  # a port nobody listens on
+            unused.bind(("127.0.0.1", 0))
+            port = unused.getsockname()[1]
+        with pytest.raises(UpstreamError) as refused:
+            await upstream.open(_Pod("127.0.0.1", port), "/json", b"{}", {}, deadline, "decode")
+        assert refused.value.reason == "connect" and "Could not reach" in refused.value.message
+    finally:
+        await upstream.close()

@@ -105,7 +105,10 @@ def parse_request(path: str, raw: bytes, max_body_bytes: int = MAX_BODY_BYTES) -
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        raise bad_request(f"The body is not valid JSON: {exc.msg}.", code="invalid_json") from None
+        # orjson words bytes that are not UTF-8 as "str is not valid UTF-8: surrogates not
+        # allowed", which reads like a complaint about an escape in the text.
+        why = "it is not UTF-8 text" if exc.msg.startswith("str is not valid UTF-8") else exc.msg
+        raise bad_request(f"The body is not valid JSON: {why}.", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request("The body must be a JSON object.", code="invalid_json")
     _check_depth(body)

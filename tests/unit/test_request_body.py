@@ -34,3 +34,9 @@ def test_a_clients_kv_transfer_params_never_reach_an_engine(path: str) -> None:
     parsed = parse_request(path, orjson.dumps({"model": "m", **fields,
                                                "kv_transfer_params": handle}))
     assert "kv_transfer_params" not in parsed.body  # every path forwards this body
+
+
+def test_a_body_that_is_not_utf8_is_called_so() -> None:
+    with pytest.raises(APIError) as caught:
+        parse_request(CHAT_PATH, b'{"model": "m", "messages": "\xff"}')
+    assert caught.value.status == 400 and "not UTF-8 text" in caught.value.message

@@ -75,6 +75,13 @@ class Admission:
             self._queued = Gauge(
                 "pdgate_admission_queue", "Requests waiting for admission.", registry=registry
             )
+            # Read at each scrape, never written on the request path.
+            Gauge("pdgate_admission_inflight", "Requests admitted and not yet done.",
+                  registry=registry).set_function(lambda: self.inflight)
+            Gauge("pdgate_admission_limit",
+                  "Requests admitted at most at once: the pods' ceiling or, below it, the "
+                  "adaptive limit (0: no bound).",
+                  registry=registry).set_function(lambda: self.max_inflight)
 
     @property
     def waiting(self) -> int:

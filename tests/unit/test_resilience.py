@@ -181,6 +181,8 @@ async def test_admission_fast_path_queue_and_refusals() -> None:
                           registry)
     assert admission.try_enter("m") and admission.try_enter("m")
     assert not admission.try_enter("m")
+    assert gauge(registry, "pdgate_admission_inflight") == 2
+    assert gauge(registry, "pdgate_admission_limit") == 2
     waiter = asyncio.create_task(admission.wait("m"))
     await asyncio.sleep(0)
     assert admission.waiting == 1
@@ -196,6 +198,9 @@ async def test_admission_fast_path_queue_and_refusals() -> None:
     assert gauge(registry, "pdgate_admission_rejected_total", reason="queue_full") == 1
     assert gauge(registry, "pdgate_admission_rejected_total", reason="queue_timeout") == 1
     assert gauge(registry, "pdgate_admission_queue") == 0
+    admission.leave("m")
+    admission.leave("m")
+    assert gauge(registry, "pdgate_admission_inflight") == 0  # back to zero
 
 
 async def test_per_model_bound_does_not_block_other_models() -> None:

@@ -94,43 +94,35 @@ def method_not_allowed(method: str, allow: str | None = None) -> APIError:
 
 
 def upstream_message(body: bytes) -> str | None:
-    """The `message` of an engine's error body, in either shape engines send.
-
-    Current vLLM nests `{"error": {"message": ...}}`; older vLLM and SGLang send a flat
-    `{"object": "error", "message": ...}`. Returns None for anything else.
-    """
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return None
-    if not isinstance(data, dict):
-        return None
-    inner = data.get("error")
-    if isinstance(inner, dict) and isinstance(inner.get("message"), str):
-        return scrub(str(inner["message"]))
-    if isinstance(inner, str):
-        return scrub(inner)
-    if isinstance(data.get("message"), str):
-        return scrub(str(data["message"]))
-    return None
+    """The `message` of an engine's error body (see `upstream_fields`)."""
+    return upstream_fields(body)[0]
 
 
 #: What an engine's `param` may look like to be passed on: a field name or path.
 _PARAM = re.compile(r"[A-Za-z0-9_.\[\]-]{1,128}")
 
 
-def upstream_param(body: bytes) -> str | None:
-    """The `param` an engine's error body names (vLLM's nested or the flat shape), when it
-    looks like a field name; None otherwise."""
+def upstream_fields(body: bytes) -> tuple[str | None, str | None]:
+    """The `message` (scrubbed) and `param` (when it looks like a field name or path) of
+    an engine's error body, in either shape engines send: current vLLM nests
+    `{"error": {"message": ..., "param": ...}}`; older vLLM and SGLang send a flat
+    `{"object": "error", "message": ...}`. None for what is absent or unsafe."""
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError:
-        return None
+        return None, None
     if not isinstance(data, dict):
-        return None
+        return None, None
     inner = data.get("error")
-    param = inner.get("param") if isinstance(inner, dict) else data.get("param")
-    return param if isinstance(param, str) and _PARAM.fullmatch(param) else None
+    fields = inner if isinstance(inner, dict) else data
+    message = inner if isinstance(inner, str) else fields.get("message")
+    if not isinstance(message, str):
+        message = data.get("message")
+    param = fields.get("param")
+    return (
+        scrub(message) if isinstance(message, str) else None,
+        param if isinstance(param, str) and _PARAM.fullmatch(param) else None,
+    )
 
 
 def scrub(message: str) -> str | None:

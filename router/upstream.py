@@ -18,7 +18,7 @@ import aiohttp
 import orjson
 
 from kv_connectors.base import PodAddress, UpstreamError
-from router.errors import upstream_message, upstream_param
+from router.errors import upstream_fields
 from router.http_client import ConnectFailed, ConnectionBroken, Pool, Response
 
 MAX_CONNECTIONS = 1024
@@ -187,10 +187,10 @@ def status_error(status: int, raw: bytes, pod: PodAddress | None, phase: str) ->
     a 5xx message may carry internals and is replaced by a generic one.
     """
     if 400 <= status < 500 and status not in (408, 429):
-        message = upstream_message(raw) or f"The engine refused the request ({status})."
+        message, param = upstream_fields(raw)
         return UpstreamError(
-            f"status_{status}", message, retryable=False, status=status, pod=pod, phase=phase,
-            param=upstream_param(raw),
+            f"status_{status}", message or f"The engine refused the request ({status}).",
+            retryable=False, status=status, pod=pod, phase=phase, param=param,
         )
     return UpstreamError(
         "status_5xx" if status >= 500 else f"status_{status}",

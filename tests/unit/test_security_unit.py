@@ -9,7 +9,7 @@ import orjson
 import pytest
 from prometheus_client import CollectorRegistry
 
-from router.errors import APIError, scrub, upstream_message, upstream_param
+from router.errors import APIError, scrub, upstream_fields, upstream_message
 from router.request import MAX_NESTING_DEPTH, parse_request
 from router.resources import ModelRoute, ObjectMeta, RateLimit
 from router.security.api_keys import APIKeys
@@ -285,12 +285,12 @@ def test_engine_messages_are_scrubbed() -> None:
 
 def test_an_engines_param_is_passed_on_when_it_names_a_field() -> None:
     nested = b'{"error": {"message": "m", "type": "BadRequestError", "param": "max_tokens"}}'
-    assert upstream_param(nested) == "max_tokens"
-    assert upstream_param(b'{"object": "error", "message": "m", "param": "messages[0]"}') == (
-        "messages[0]")
+    assert upstream_fields(nested) == ("m", "max_tokens")
+    flat = b'{"object": "error", "message": "m", "param": "messages[0]"}'
+    assert upstream_fields(flat) == ("m", "messages[0]")
     for body in (b'{"error": {"message": "m", "param": null}}', b'{"error": {"param": 3}}',
                  b'{"error": {"param": "a b <script>"}}', b"not json", b"[]"):
-        assert upstream_param(body) is None
+        assert upstream_fields(body)[1] is None
 
 
 

@@ -302,7 +302,9 @@ class EdgeProtocol(HttpToolsProtocol):
             super().on_body(body)
 
     def on_message_complete(self) -> None:
-        if self._upgrade_skipped_body or self._closed_at_head:
+        if self._closed_at_head:
+            return  # answered from the head; the connection is closing
+        if self._upgrade_skipped_body:
             return  # not the end: the body is still to come (see `_read_body_as_body`)
         self._in_head = True
         self._head_started = False

@@ -33,6 +33,10 @@ METRICS = {
     "pdgate_client_errors_total",
     "pdgate_prefix_cache_hits_total",
     "pdgate_prefix_cache_queries_total",
+    "pdgate_admission_inflight",
+    "pdgate_admission_limit",
+    "pdgate_admission_queue",
+    "pdgate_admission_rejected_total",
 }
 HISTOGRAMS = {
     "pdgate_request_duration_seconds",
@@ -115,7 +119,8 @@ def test_panels_cover_what_operators_ask() -> None:
         "Inter-token latency", "Output tokens per second per request", "End-to-end latency",
         "Prefill / decode phase time", "In-flight requests per pod and role", "Retries",
         "Upstream errors", "Client errors refused by engines", "Requests for no known model",
-        "Prefix-cache hit rate",
+        "Prefix-cache hit rate", "Admitted requests and the bound",
+        "Requests refused by admission",
     }
     ids = [p["id"] for p in dashboard["panels"]]
     assert len(ids) == len(set(ids))

@@ -18,6 +18,7 @@ import asyncio
 import math
 from collections import deque
 from dataclasses import dataclass
+from typing import Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -35,6 +36,10 @@ SATURATED_MESSAGE = "The server is at capacity; retry later."
 class _Waiter:
     model: str
     future: asyncio.Future[None]
+
+
+#: Why admission refuses a request (the `reason` label's values).
+REJECT_REASONS: Final = ("queue_full", "queue_timeout")
 
 
 class Admission:
@@ -72,6 +77,8 @@ class Admission:
                 "pdgate_admission_rejected", "Requests refused by admission control, by why.",
                 ["reason"], registry=registry,
             )
+            for reason in REJECT_REASONS:  # at 0 from the start: a rate reads 0, not nothing
+                self._rejected_by[reason] = self._rejected.labels(reason=reason)
             self._queued = Gauge(
                 "pdgate_admission_queue", "Requests waiting for admission.", registry=registry
             )

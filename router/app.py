@@ -37,7 +37,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.convertors import Convertor, register_url_convertor
 
 from router import control_errors
-from router.errors import APIError, method_not_allowed, model_not_found
+from router.errors import APIError, bad_request, method_not_allowed, model_not_found
 from router.http.protocol import EdgeCycle, direct_writer
 from router.proxy import request_id_for
 from router.request import (
@@ -235,9 +235,9 @@ class PDGateApp:
 def _check_head(state: AppState, method: str, raw: Iterable[tuple[bytes, bytes]]
                 ) -> dict[str, str]:
     """What a data request's head must pass before its body is read, in this order: the
-    drain, the method, the header limits, the API key (raises `APIError`). Its headers.
-    `_data` and `EarlyShed` both go through it, so the refusal from the head sees the
-    same checks in the same order."""
+    drain, the method, the header limits, the API key, a JSON media type (raises
+    `APIError`). Its headers. `_data` and `EarlyShed` both go through it, so the refusal
+    from the head sees the same checks in the same order."""
     if state.resilience.drain.draining:
         raise shutting_down()
     if method != "POST":
@@ -246,6 +246,13 @@ def _check_head(state: AppState, method: str, raw: Iterable[tuple[bytes, bytes]]
     headers = read_headers(raw, limits.max_headers, limits.max_header_bytes)
     if state.security.api_keys is not None:
         state.security.api_keys.check(headers.get("authorization"))
+    media_type = headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media_type != "application/json":
+        # vLLM's `validate_json_request` (a 400 in current vLLM, 415 before). It also keeps
+        # a web page from posting to the API cross-site: a browser sends `text/plain` and
+        # form bodies without asking the server first, never `application/json`.
+        raise bad_request("Unsupported Media Type: Only 'application/json' is allowed",
+                          code="unsupported_media_type")
     return headers
 
 

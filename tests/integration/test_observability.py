@@ -309,6 +309,19 @@ async def test_unknown_routes_and_methods_answer_openai_errors(
         async with session.post(f"{router.url}/v1/chat/completions", json=bad,
                                 headers={"x-request-id": "mine-1"}) as r:
             assert r.status == 400 and r.headers["x-request-id"] == "mine-1"
+        # Only JSON bodies, as vLLM: a browser posts text/plain and forms cross-site
+        # without asking first, never application/json.
+        body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                           "max_tokens": 2})
+        for headers in ({"content-type": "text/plain"}, {},
+                        {"content-type": "application/x-www-form-urlencoded"}):
+            async with session.post(f"{router.url}/v1/chat/completions", data=body,
+                                    headers=headers, skip_auto_headers=["content-type"]) as r:
+                assert r.status == 400
+                assert _is_openai_error(await r.json())["code"] == "unsupported_media_type"
+        async with session.post(f"{router.url}/v1/chat/completions", data=body,
+                                headers={"content-type": "Application/JSON; charset=utf-8"}) as r:
+            assert r.status == 200
     client = _client(router)
     with pytest.raises(openai.BadRequestError) as refused:
         await client.chat.completions.create(model=MODEL, messages=[], max_tokens=2)

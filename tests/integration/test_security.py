@@ -422,7 +422,8 @@ async def test_wrong_method_and_chunked_oversized_body(
         yield b'"}]}'
 
     async with aiohttp.ClientSession() as session, session.post(
-        f"{router.url}/v1/chat/completions", data=chunks(), headers=auth()
+        f"{router.url}/v1/chat/completions", data=chunks(),
+        headers={**auth(), "content-type": "application/json"},
     ) as response:
         assert response.status == 413
 

@@ -93,11 +93,6 @@ def method_not_allowed(method: str, allow: str | None = None) -> APIError:
                     headers={"allow": allow} if allow else None)
 
 
-def upstream_message(body: bytes) -> str | None:
-    """The `message` of an engine's error body (see `upstream_fields`)."""
-    return upstream_fields(body)[0]
-
-
 #: What an engine's `param` may look like to be passed on: a field name or path.
 _PARAM = re.compile(r"[A-Za-z0-9_.\[\]-]{1,128}")
 

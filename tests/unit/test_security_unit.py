@@ -9,7 +9,7 @@ import orjson
 import pytest
 from prometheus_client import CollectorRegistry
 
-from router.errors import APIError, scrub, upstream_fields, upstream_message
+from router.errors import APIError, scrub, upstream_fields
 from router.request import MAX_NESTING_DEPTH, parse_request
 from router.resources import ModelRoute, ObjectMeta, RateLimit
 from router.security.api_keys import APIKeys
@@ -280,7 +280,7 @@ def test_engine_messages_are_scrubbed() -> None:
     assert scrub("see 10.1.2.3:8000 and http://svc.internal:9/x") == "see <address> and <address>"
     assert scrub("Traceback (most recent call last): ...") is None
     assert scrub("x" * 2000) == "x" * 512
-    assert upstream_message(b'{"error": {"message": "at [fe80::1]:80"}}') == "at <address>"
+    assert upstream_fields(b'{"error": {"message": "at [fe80::1]:80"}}')[0] == "at <address>"
 
 
 def test_an_engines_param_is_passed_on_when_it_names_a_field() -> None:

@@ -109,8 +109,10 @@ class ConfigWatch:
                 metrics.transitions.labels(*key, "serving").inc()
             if count:
                 self._had[key] = count
-        for key in self._ready.keys() - current.keys():
+        for key in self._ready.keys() - current.keys():  # deleted: its series go too
             metrics.ready_pods.remove(*key)
+            for to in ("empty", "serving"):
+                metrics.transitions.remove(*key, to)
             self._had.pop(key, None)
         self._ready = current
 

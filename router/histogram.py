@@ -12,7 +12,7 @@ Observe only from the loop's thread; a scrape from it sees a consistent snapshot
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import HistogramMetricFamily, Metric
@@ -24,7 +24,8 @@ from router.tally import BucketCounts
 class LoopHistogram:
     """A histogram with one label; `labels(value)` returns (and keeps) that value's child.
 
-    The callers bound the label values (model names a route serves, fixed phase names).
+    The callers bound the label values (fixed phase names, or model names a route serves:
+    `retain` drops those no route serves any more).
     """
 
     def __init__(self, name: str, documentation: str, label: str, buckets: Sequence[float],
@@ -44,6 +45,11 @@ class LoopHistogram:
         if child is None:
             child = self._children[value] = BucketCounts(self._bounds)
         return child
+
+    def retain(self, keep: Callable[[str], bool]) -> None:
+        """Drop the children whose label value `keep` refuses (a model no route serves)."""
+        for value in [value for value in self._children if not keep(value)]:
+            del self._children[value]
 
     def describe(self) -> list[Metric]:
         return [HistogramMetricFamily(self._name, self._documentation, labels=[self._label])]

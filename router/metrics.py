@@ -10,11 +10,16 @@ Token timing follows vLLM's metrics (`time_to_first_token_seconds`,
 `router/timing.py` for what TTFT and its phases cover. The `model` label carries only
 names a route serves: a request for no known model (unparsable, unknown name) is counted
 with `model=""`, which Prometheus treats as no model label, so per-model panels leave it
-out and the dashboard shows it apart. An engine's 4xx refusal of the client's own input
+out and the dashboard shows it apart. When a model leaves every route, its series go with
+it (`retain_models`): a cluster whose routes or LoRA adapters come and go keeps only the
+series of what it serves, and a model that comes back starts its counters again (a
+reset `rate()` handles). An engine's 4xx refusal of the client's own input
 (other than 408/429) is a client error (`pdgate_client_errors_total`), not an upstream one.
 """
 
 from __future__ import annotations
+
+from collections.abc import Collection
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -130,7 +135,21 @@ class RouterMetrics:
         self.phase.labels(phase).observe(seconds)
 
     def retry(self, model: str, phase: str) -> None:
-        self.retries.labels(model=model, phase=phase).inc()
+        key = ("t", model, phase)
+        counter = self._children.get(key)
+        if counter is None:
+            counter = self._children[key] = self.retries.labels(model=model, phase=phase)
+        counter.inc()  # type: ignore[attr-defined]
+
+    def retain_models(self, served: Collection[str]) -> None:
+        """Drop every per-model series of a model no route serves any more (`model=""`,
+        requests for no known model, stays). Called with each new view snapshot."""
+        stale = [key for key in self._children if key[1] and key[1] not in served]
+        for key in stale:
+            del self._children[key]
+            (self.requests if key[0] == "r" else self.retries).remove(*key[1:])
+        for histogram in (self.duration, self.ttft, self.itl, self.tokens_per_second):
+            histogram.retain(lambda model: not model or model in served)
 
     def upstream_error(self, reason: str, phase: str) -> None:
         self.upstream_errors.labels(reason=reason, phase=phase).inc()

@@ -136,6 +136,7 @@ class AppState:
     def _on_snapshot(self, snapshot: Snapshot) -> None:
         self.inflight.forget_absent(set(snapshot.endpoints()))
         self.metrics.ambiguous_pods.set(snapshot.ambiguous_pods)
+        self.metrics.retain_models(snapshot.routes_by_model)
 
     @property
     def draining(self) -> bool:

@@ -18,8 +18,8 @@ from __future__ import annotations
 from typing import Any, Final
 
 from router.errors import bad_request
+from router.token_ids import MAX_TOKEN_ID, are_token_ids
 
-MAX_TOKEN_ID: Final = 2**31 - 1
 #: Most items in a batch input (embeddings inputs, rerank documents, score texts).
 MAX_BATCH_ITEMS: Final = 2048
 MAX_OUTPUT_TOKENS: Final = 1_000_000
@@ -38,7 +38,7 @@ _MESSAGES: dict[str, Any] = {
 
 def _is_token_ids(value: object) -> bool:
     return (isinstance(value, list) and bool(value) and len(value) <= MAX_BATCH_ITEMS * 64
-            and all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in value))
+            and are_token_ids(value))
 
 
 def _is_texts(value: object) -> bool:
@@ -111,8 +111,7 @@ def check_tokenize(body: dict[str, Any]) -> None:
 
 def check_detokenize(body: dict[str, Any]) -> None:
     tokens = body.get("tokens")
-    if not (isinstance(tokens, list) and all(
-            type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in tokens)):
+    if not (isinstance(tokens, list) and are_token_ids(tokens)):
         raise bad_request("`tokens` must be an array of token ids.", param="tokens")
 
 

@@ -30,6 +30,7 @@ COMPILED_SOURCES: tuple[str, ...] = (
     "router/routing.py",
     "router/sampling_bounds.py",
     "router/tally.py",
+    "router/token_ids.py",
     "router/timing.py",
     "router/security/limits.py",
     "router/security/usage.py",

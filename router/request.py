@@ -14,9 +14,9 @@ from typing import Any, Final, Literal
 import orjson
 
 from router import api_surface
-from router.api_surface import MAX_TOKEN_ID
 from router.errors import APIError, bad_request
 from router.sampling_bounds import BOUNDS, COMPLETION_LOGPROBS, check_sampling
+from router.token_ids import MAX_TOKEN_ID, are_token_ids
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
 MAX_MESSAGES = 2048
@@ -200,21 +200,14 @@ def _check_prompt(prompt: object) -> None:
     if isinstance(first, str):
         ok = all(isinstance(item, str) for item in prompt)
     elif isinstance(first, list):
-        ok = all(isinstance(item, list) and _token_ids(item) for item in prompt)
+        ok = all(isinstance(item, list) and are_token_ids(item) for item in prompt)
     else:
-        ok = _token_ids(prompt)
+        ok = are_token_ids(prompt)
     if not ok:
         raise bad_request(
             "`prompt` must be a string, an array of strings, an array of token ids "
             f"(integers from 0 to {MAX_TOKEN_ID}) or an array of such arrays.", param="prompt"
         )
-
-
-def _token_ids(values: list[Any]) -> bool:
-    for value in values:
-        if type(value) is not int or not 0 <= value <= MAX_TOKEN_ID:
-            return False
-    return True
 
 
 def _check_token_count(body: dict[str, Any], name: str, lowest: int = 1) -> None:
@@ -303,7 +296,7 @@ def openapi_paths() -> tuple[dict[str, Any], dict[str, Any]]:
                     {"type": "string"},
                     {"type": "array", "minItems": 1, "items": {"type": "string"}},
                     {"type": "array", "minItems": 1,
-                     "items": {"type": "integer", "minimum": 0, "maximum": 2**31 - 1}},
+                     "items": {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID}},
                 ]},
             },
         },

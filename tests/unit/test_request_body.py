@@ -40,3 +40,15 @@ def test_a_body_that_is_not_utf8_is_called_so() -> None:
     with pytest.raises(APIError) as caught:
         parse_request(CHAT_PATH, b'{"model": "m", "messages": "\xff"}')
     assert caught.value.status == 400 and "not UTF-8 text" in caught.value.message
+
+
+@pytest.mark.parametrize(("path", "field"), [("/v1/embeddings", "input"),
+                                             ("/detokenize", "tokens")])
+@pytest.mark.parametrize("ids", [[2**31], [-1], [True], [1.0]])
+def test_token_ids_elsewhere_are_held_to_the_same_range(
+    path: str, field: str, ids: list[Any]
+) -> None:
+    with pytest.raises(APIError) as caught:
+        parse_request(path, orjson.dumps({"model": "m", field: ids}))
+    assert caught.value.status == 400 and caught.value.param == field
+    assert parse_request(path, orjson.dumps({"model": "m", field: [0, 2**31 - 1]}))

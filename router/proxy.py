@@ -337,7 +337,8 @@ class Proxy:
         out.clock.attempt()
         attempt.attempts += 1
         request = ScheduleRequest(parsed.model, parsed.path, parsed.body, attempt.client_headers,
-                                  parsed.tokens, flow=parsed.flow)
+                                  parsed.tokens, flow=parsed.flow,
+                                  lora_name=attempt.decision.lora_name)
         tracing = self.tracing
         span = None
         if tracing is not None and attempt.span is not None:

@@ -45,14 +45,24 @@ class RouteDecision:
     compiled (router/build.py), which compiles a written `__init__` but not a dataclass's
     (a frozen one sets each field through `object.__setattr__`). Nothing changes it."""
 
-    __slots__ = ("route", "rule", "server", "upstream_model")
+    __slots__ = ("lora_name", "route", "rule", "server", "upstream_model")
 
     def __init__(self, route: ModelRoute, rule: Rule, server: ServerPods,
-                 upstream_model: str) -> None:
+                 upstream_model: str, lora_name: str | None = None) -> None:
         self.route = route
         self.rule = rule
         self.server = server
-        self.upstream_model = upstream_model  # ModelServer.model if set, else the request's
+        #: The model name the engine is asked for: the ModelServer's `model` if set, else
+        #: the request's; a LoRA adapter's name always stays (the engine loads it by name).
+        self.upstream_model = upstream_model
+        #: The adapter the request names, when the route serves it as a LoRA adapter: the
+        #: engine's `lora_name`, which vLLM puts in every block's hash.
+        self.lora_name = lora_name
+
+
+def lora_name_of(route: ModelRoute, model: str) -> str | None:
+    """`model` when `route` serves it as a LoRA adapter rather than as its modelName."""
+    return model if model != route.model_name and model in route.lora_adapters else None
 
 
 def rule_matches(rule: Rule, model: str, headers: Mapping[str, str], path: str) -> bool:
@@ -134,10 +144,13 @@ def resolve(
                 chosen = server
                 break
     assert chosen is not None  # point < total, so the walk always lands
+    # As Kthena: a name the route serves as a LoRA adapter (and not as its modelName, which
+    # is looked up first) goes to the engine as is; any other is rewritten to the
+    # ModelServer's `model` when it sets one.
+    if lora_name_of(route, model) is not None:
+        return RouteDecision(route, rule, chosen, model, lora_name=model)
     upstream = chosen.server.model
-    return RouteDecision(
-        route=route, rule=rule, server=chosen, upstream_model=upstream if upstream else model
-    )
+    return RouteDecision(route, rule, chosen, upstream if upstream else model)
 
 
 def _name(route: ModelRoute) -> str:

@@ -20,6 +20,7 @@ from router.load import InFlight
 from router.metrics import RouterMetrics
 from router.proxy import Proxy
 from router.resilience import Resilience, ResilienceConfig
+from router.routing import lora_name_of
 from router.scheduling import Scheduler, ScheduleRequest
 from router.scheduling.runtime import build_scheduler
 from router.security import Security, SecurityConfig
@@ -119,11 +120,15 @@ class AppState:
         None: unknown server, no pod, or refused by the SLO gate (the asker then decides,
         and gates, itself)."""
         namespace, _, name = server.partition("/")
-        pods = self.view.snapshot.servers.get((namespace, name))
+        snapshot = self.view.snapshot
+        pods = snapshot.servers.get((namespace, name))
         if pods is None:
             return None
+        route = snapshot.routes_by_model.get(model)
+        lora = None if route is None else lora_name_of(route, model)
         try:
-            request = ScheduleRequest(model, path, dict(body), {}, flow=flow, asker=asker)
+            request = ScheduleRequest(model, path, dict(body), {}, flow=flow, asker=asker,
+                                      lora_name=lora)
             pick = self.scheduler.pick(pods, request, frozenset())
         except APIError:
             return None

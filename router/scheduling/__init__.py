@@ -50,6 +50,9 @@ class ScheduleRequest:
     #: the leader's record reached it first, its pick would take the new prompt for
     #: cached, and a sum over processes would count the request twice).
     asker: str | None = None
+    #: The LoRA adapter the request names (`RouteDecision.lora_name`): part of every
+    #: block's key in the engine's prefix cache, so of the precise index's keys too.
+    lora_name: str | None = None
 
     @property
     def counted(self) -> bool:

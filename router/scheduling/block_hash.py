@@ -378,6 +378,7 @@ class PreciseHasher:
         cache_salt: str | None,
         space: KeySpace,
         known: Callable[[int], bool],
+        lora_name: str | None = None,
     ) -> LeadingBlocks:
         """Keys of the prompt's leading full blocks up to, not including, the first one
         `known` says nobody holds (the module docstring): exact for every pod's leading
@@ -392,7 +393,9 @@ class PreciseHasher:
             blocks = min(len(tokens) // size, self.max_blocks)
             if blocks <= done:
                 continue
-            more, state = space.extend(tokens, done, blocks, state, cache_salt=cache_salt)
+            more, state = space.extend(
+                tokens, done, blocks, state, cache_salt=cache_salt, lora_name=lora_name
+            )
             for key in more:
                 if not known(key):
                     return LeadingBlocks(keys, stream.estimate(len(tokens)), False)

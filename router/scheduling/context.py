@@ -350,7 +350,9 @@ class PromptInfo:
             self._precise = (
                 []
                 if tokens is None
-                else self._hasher.block_hashes(tokens.ids, salt, tokens.message_ends, space)
+                else self._hasher.block_hashes(
+                    tokens.ids, salt, tokens.message_ends, space, self.request.lora_name
+                )
             )
         return self._precise
 
@@ -375,7 +377,9 @@ class PromptInfo:
                 leading = (
                     LeadingBlocks([], -1, False)
                     if stream is None
-                    else self._hasher.leading_hashes(stream, salt_of(req.body), space, known)
+                    else self._hasher.leading_hashes(
+                        stream, salt_of(req.body), space, known, req.lora_name
+                    )
                 )
             self._leading, self._leading_space = leading, space
             req.leading = (space.ident, leading)  # a retry of this request reuses them

@@ -303,7 +303,9 @@ class PipelineScheduler:
 
         def leading() -> LeadingBlocks | None:
             stream = hasher.id_stream(request.path, request.body, server.server)
-            return None if stream is None else hasher.leading_hashes(stream, salt, space, known)
+            return None if stream is None else hasher.leading_hashes(
+                stream, salt, space, known, request.lora_name
+            )
 
         found = await pool.call(leading)
         if found is not None:

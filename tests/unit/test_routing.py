@@ -78,7 +78,19 @@ def test_model_name_and_lora_adapter_resolve() -> None:
     assert decision.rule.name == "r"
     assert decision.server.server.meta.name == "a"
     assert decision.upstream_model == "base"  # ModelServer.model overrides
-    assert resolve(snap, "sql-lora", {}, CHAT, RNG).route.meta.name == "route"
+    assert decision.lora_name is None
+    adapter = resolve(snap, "sql-lora", {}, CHAT, RNG)
+    assert adapter.route.meta.name == "route"
+    # As Kthena: an adapter's name is never rewritten (the engine loads it by that name),
+    # and it is the engine's lora_name, a part of every block's prefix-cache key.
+    assert adapter.upstream_model == "sql-lora" and adapter.lora_name == "sql-lora"
+
+
+def test_a_name_that_is_a_model_name_is_not_an_adapter() -> None:
+    """A route whose modelName is also listed among its adapters serves the base model."""
+    snap = snapshot(mr(rule("r", ("a", 100)), lora=("llama",)), ms("a", model="base"))
+    decision = resolve(snap, "llama", {}, CHAT, RNG)
+    assert decision.upstream_model == "base" and decision.lora_name is None
 
 
 def test_upstream_model_defaults_to_request_model() -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
+from router.kvhash.vllm import VllmBlockHasher, VllmHashConfig
 from router.load import InFlight
 from router.resources import ModelServer, ObjectMeta, PDGroup, Pod
 from router.scheduling import Pick, ScheduleRequest
@@ -954,3 +955,31 @@ def test_draw_below_draws_what_randrange_draws() -> None:
         assert ours.random() == theirs.random()  # left at the same point of the stream
     with pytest.raises(ValueError):
         draw_below(random.Random(0))(0)
+
+
+def test_a_lora_requests_precise_keys_are_the_adapters_blocks() -> None:
+    """vLLM puts the adapter's name in every block's hash (`_gen_lora_extra_hash_keys`):
+    an adapter's prompt matches the blocks an engine stored for that adapter, never the
+    base model's blocks of the same tokens, by the full keys and by the lazy leading walk."""
+    registry = CollectorRegistry()
+    rt = SchedulerRuntime(parse_scheduler_config(ENGINE_HASHES), InFlight(registry),
+                          ClusterView(), registry, rng=random.Random(0), tokenize=sim_tokens)
+    server = pd_server({"g": (["p1", "p2"], ["d1"])})
+    engine = VllmBlockHasher(VllmHashConfig("sha256", "0", 16))
+    tokens = sim_tokens(CHAT, request().body)
+    adapter = engine.event_hashes(tokens, lora_name="sql-lora")
+    base = engine.event_hashes(tokens)
+    assert len(adapter) > 20 and not set(adapter) & set(base)
+    rt.precise.stored("default/p1", "default/pd", adapter, "GPU")  # served the adapter
+    rt.precise.stored("default/p2", "default/pd", base, "GPU")  # served the base model
+    scorer = PrecisePrefixCacheScorer(1.0, rt.deps, {})
+    cands = candidates(rt, list(server.groups[0].prefill))
+    for lora, expected in (("sql-lora", [len(adapter), 0]), (None, [0, len(base)])):
+        for lazy in (False, True):
+            req = request()
+            req.lora_name = lora
+            ctx = context(rt, server, req)
+            if not lazy:
+                ctx.prompt.precise_hashes()  # every key first: the full path
+            scorer.score(ctx, cands)
+            assert ctx.precise_local == expected, (lora, lazy)

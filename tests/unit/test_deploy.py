@@ -1,7 +1,8 @@
 """deploy/: the Helm chart renders (with Helm's own renderer), and what it renders, like
 the plain manifests in deploy/manifests/, is what Kubernetes needs: well-formed objects,
 selectors that select, RBAC that grants exactly what the router calls, a Deployment whose
-args the CLI accepts and whose shutdown budget covers the 30 s drain.
+args the CLI accepts and whose shutdown budget covers the router's drain (`drain.seconds`,
+passed as `--drain-grace`).
 """
 
 from __future__ import annotations
@@ -132,7 +133,9 @@ def check_release(docs: list[dict[str, Any]], values: dict[str, Any]) -> None:
     assert "/tmp" in {m["mountPath"] for m in container["volumeMounts"]}
     pre_stop = int(container["lifecycle"]["preStop"]["exec"]["command"][1])
     drain = values.get("drain", {}).get("seconds", DRAIN_S)
-    assert spec["terminationGracePeriodSeconds"] >= pre_stop + drain
+    args = container["args"]
+    assert float(args[args.index("--drain-grace") + 1]) == drain, "the router drains as long"
+    assert spec["terminationGracePeriodSeconds"] > pre_stop + drain, "and is not killed first"
 
     services = {d["metadata"]["name"]: d for d in by_kind(docs, "Service")}
     name = deploy["metadata"]["name"]
@@ -297,6 +300,19 @@ def test_deployment_args_parse_with_the_cli(
         assert cli.main(list(container["args"])) == 0
     assert [a.all_namespaces for a in seen] == [True, False, True]
     assert seen[1].namespace == "models" and seen[0].kubernetes
+    assert [a.drain_grace for a in seen] == [DRAIN_S, DRAIN_S, 45]
+
+
+def test_drain_seconds_is_the_routers_drain_grace(render: ModuleType) -> None:
+    """drain.seconds sets the router's own drain, not only how long Kubernetes waits: a
+    120 s drain that Kubernetes waited for while the router cut requests at its default
+    30 s was the bug."""
+    docs = render.render({"drain": {"seconds": 120}})
+    check_release(docs, {"drain": {"seconds": 120}})
+    spec = one(docs, "Deployment")["spec"]["template"]["spec"]
+    args = spec["containers"][0]["args"]
+    assert args[args.index("--drain-grace") + 1] == "120"
+    assert spec["terminationGracePeriodSeconds"] == 5 + 120 + 5  # preStop + drain + margin
 
 
 def test_chart_lints_clean_and_checks_its_values(render: ModuleType) -> None:

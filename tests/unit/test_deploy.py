@@ -259,12 +259,42 @@ def test_more_than_one_replica_out_of_the_box(rendered: dict[str, list[dict[str,
     hpa = one(scaled, "HorizontalPodAutoscaler")
     assert hpa["spec"]["scaleTargetRef"]["name"] == deploy["metadata"]["name"]
     (metric,) = hpa["spec"]["metrics"]
-    assert metric["pods"]["metric"]["name"] == "pdgate_inflight_requests"
+    assert metric["pods"]["metric"]["name"] == "pdgate_admission_inflight"
+    assert metric["pods"]["target"] == {"type": "AverageValue", "averageValue": "32"}
     pod = deploy["spec"]["template"]["spec"]
     assert pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
     args = pod["containers"][0]["args"]
     assert args[args.index("--workers") + 1] == "auto"
     assert one(scaled, "PodDisruptionBudget")
+
+
+def test_hpa_scales_on_a_metric_of_router_pods(
+    render: ModuleType, rendered: dict[str, list[dict[str, Any]]]
+) -> None:
+    """A Pods metric is looked up by the `pod` label of its series, so it must name router
+    pods. `pdgate_inflight_requests{pod}` names engine pods (the monitors' honorLabels keep
+    that label), a PD request counting on two; `pdgate_admission_inflight`, the requests
+    one router process admitted, has no labels, so the scrape gives it the router pod's.
+    Without targetInflightPerPod the HPA scales on CPU."""
+    from prometheus_client import CollectorRegistry
+
+    from router.resilience.admission import Admission
+    from router.resilience.config import ResilienceConfig
+
+    (metric,) = one(rendered["autoscaled"], "HorizontalPodAutoscaler")["spec"]["metrics"]
+    assert metric["type"] == "Pods"
+    name = metric["pods"]["metric"]["name"]
+    registry = CollectorRegistry()
+    Admission(ResilienceConfig(), registry)
+    samples = {m.name: m.samples for m in registry.collect()}
+    assert [s.labels for s in samples.get(name, [])] == [{}], (
+        f"{name}: not the router's per-process gauge without labels"
+    )
+
+    cpu = render.render({"autoscaling": {"enabled": True}})
+    (metric,) = one(cpu, "HorizontalPodAutoscaler")["spec"]["metrics"]
+    assert metric == {"type": "Resource", "resource": {
+        "name": "cpu", "target": {"type": "Utilization", "averageUtilization": 70}}}
 
 
 def test_optional_pieces(rendered: dict[str, list[dict[str, Any]]]) -> None:

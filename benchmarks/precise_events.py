@@ -7,10 +7,10 @@ in this process. The window's prompts (token scale 0.25, as the trace phase of `
 bench`) each go to the one of `--pods` simulated prefill caches
 (`engine_sim.prefix_cache.PrefixCache`, the trace phase's capacity) holding the longest
 prefix; the events those caches report (`BlockStored` / `BlockRemoved`, medium GPU) and
-the Mooncake Store writes of blocks the store did not hold yet (`BlockStored`, medium
-MOONCAKE) are batched and encoded as the simulator's publisher does (a request's cache
-events in one batch, consecutive evictions merged into one event; its store writes in
-another).
+the Mooncake Store writes of blocks the store did not hold yet (one `BlockStored` a block,
+medium `cpu`, as vLLM's MooncakeStoreConnector) are batched and encoded as the simulator's
+publisher does (a request's cache events in one batch, consecutive evictions merged into
+one event; its store writes in another).
 Then, `--rounds` times, request by request: the router's lazy tokenize-and-hash of the
 prompt against the index so far (`PreciseHasher.leading_hashes`, a fresh tokenizer memo
 each round), then decoding and applying that request's batches to a `PrecisePrefixIndex`

@@ -28,9 +28,11 @@ structs of the vLLM releases that router decoders were written against):
   `[b"", -1 (8 bytes, signed), b""]` (vLLM's `_service_replay`).
 
 Media: the pod's own cache publishes `medium="GPU"`. Blocks a prefill pod writes to the
-Mooncake Store are published as `BlockStored(medium="MOONCAKE")` (any prefill pod of the
-server can load those). The store never reports its own evictions to its clients, so no
-`BlockRemoved(medium="MOONCAKE")` is ever sent.
+Mooncake Store are published as vLLM's `MooncakeStoreConnector` publishes them: one
+`BlockStored(medium="cpu")` a block, its parent the request's block before it, its token
+ids, `group_idx` 0 and no extra keys or spec kind (any prefill pod of the server can load
+those). The store never reports its own evictions to its clients, so no
+`BlockRemoved(medium="cpu")` is ever sent.
 
 Why a thread: the prefix cache reports events synchronously inside request handling.
 `on_cache_event` only appends to the current loop tick's batch; at the end of the tick the
@@ -82,7 +84,8 @@ MAX_QUEUED_BATCHES: Final = 10_000
 #: Events in one batch: a longer tick is cut into several batches (none is lost).
 MAX_BATCH_EVENTS: Final = 4_096
 MEDIUM_GPU: Final = "GPU"
-MEDIUM_MOONCAKE: Final = "MOONCAKE"
+#: What vLLM's MooncakeStoreConnector calls the store (its CPU OffloadingConnector: "CPU").
+MEDIUM_STORE: Final = "cpu"
 END_SEQ: Final = (-1).to_bytes(8, "big", signed=True)
 #: How often the sender thread checks for shutdown while idle (milliseconds).
 _IDLE_POLL_MS: Final = 200
@@ -179,25 +182,24 @@ def store_write_events(
     cache_salt: str | None = None,
 ) -> list[BlockStored]:
     """The events of blocks `written` (indices into the prompt's `block_hashes`) going to
-    the store: one `BlockStored(medium="MOONCAKE")` per run of consecutive blocks, its
-    parent the block before the run, as vLLM reports a run of new blocks."""
-    events: list[BlockStored] = []
-    start = 0
-    while start < len(written):
-        end = start + 1
-        while end < len(written) and written[end] == written[end - 1] + 1:
-            end += 1
-        first, last = written[start], written[end - 1]
-        events.append(
-            block_stored_event(
-                block_hashes[first : last + 1],
-                block_hashes[first - 1] if first > 0 else None,
-                token_ids[first * block_size : (last + 1) * block_size],
-                block_size, MEDIUM_MOONCAKE, first, cache_salt,
-            )
+    the store, as vLLM's `MooncakeStoreWorker` publishes them: one `BlockStored(medium=
+    "cpu")` a block, its parent the prompt's block before it (written or not), no extra
+    keys (`cache_salt` is not in them: a reader keys a salted block 0 by the pod's own
+    GPU event of it) and no spec kind."""
+    del cache_salt  # vLLM's store events carry no extra keys
+    return [
+        BlockStored(
+            block_hashes=[block_hashes[index]],
+            parent_block_hash=block_hashes[index - 1] if index > 0 else None,
+            token_ids=list(token_ids[index * block_size : (index + 1) * block_size]),
+            block_size=block_size,
+            lora_id=None,
+            medium=MEDIUM_STORE,
+            lora_name=None,
+            group_idx=0,
         )
-        start = end
-    return events
+        for index in written
+    ]
 
 
 def append_event(pending: list[Event], event: Event) -> None:

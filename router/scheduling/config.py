@@ -24,7 +24,7 @@
                    hashSeed: null, eventsPort: 5557,
                    replayPort: 5558, replayTimeout: 500ms, replayOnJoin: true,
                    maxBlocksPerPod: 262144, maxStoreBlocks: 1048576,
-                   storeMedia: [MOONCAKE]}
+                   storeMedia: [cpu]}
     engineMetrics: {enabled: true, interval: 200ms, timeout: 1s,
                     staleAfterIntervals: 5, maxConcurrency: 32}
     sessions: {maxSessions: 65536}
@@ -154,7 +154,7 @@ class PreciseIndexConfig:
     replay_on_join: bool = True
     max_blocks_per_pod: int = 262_144
     max_store_blocks: int = 1 << 20
-    store_media: tuple[str, ...] = ("MOONCAKE",)
+    store_media: tuple[str, ...] = ("cpu",)
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,8 +25,10 @@ event is a msgspec tagged Struct, encoded either
 
 `block_hashes` / `parent_block_hash` are 64-bit unsigned ints by default
 (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`), or bytes (taken as a big-endian integer, low 64
-bits, which is how vLLM converts them). Only KV cache group 0 (`group_idx` absent, None or
-0) is indexed: that is the full-attention group a prompt's prefix hash refers to.
+bits, which is how vLLM converts them). One KV cache group is indexed per engine: the
+lowest of a full-attention kind its `BlockStored`s name (`kv_cache_spec_kind`; a hybrid
+model's group 0 may be sliding-window or Mamba), else group 0 (`group_idx` absent, None or
+0; `kv_wire.GroupChoice`).
 
 Replay: the engine may bind a ZMQ ROUTER socket (vLLM `replay_endpoint`, e.g.
 `tcp://*:5558`). A client sends `[b"", start_seq as 8-byte big-endian]`, and the engine
@@ -37,7 +39,8 @@ reply messages.
 
 `medium`: "GPU" (or absent) is the pod's own cache; another medium that is not a store
 medium (e.g. "CPU" offload) is also the pod's own; a store medium (config
-`preciseIndex.storeMedia`, default "MOONCAKE") is a shared KV store: such blocks count
+`preciseIndex.storeMedia`, default "cpu", as vLLM's MooncakeStoreConnector spells it) is
+a shared KV store: such blocks count
 for every prefill pod of the same ModelServer (`precise_index.py`).
 
 Decoding (both encodings, a typed fast path for the array one) is `kv_wire`'s job.
@@ -87,6 +90,7 @@ from router.kvhash.keyspace import KeySettings, KeySpace
 from router.scheduling.kv_wire import (
     Cleared,
     DecodeError,
+    GroupChoice,
     Removed,
     Stored,
     apply_events,
@@ -153,6 +157,7 @@ class PodEventStream:
         self._dup_upto = -1
         self._replay: zmq.asyncio.Socket | None = None
         self.batches = 0
+        self._groups = GroupChoice()  # which KV cache group of this engine is indexed
 
     async def run(self) -> None:
         sub = self._context.socket(zmq.SUB)
@@ -177,7 +182,7 @@ class PodEventStream:
     def _apply(self, payload: bytes) -> None:
         started = time.thread_time()  # the CPU the index costs (one clock read a batch)
         try:
-            events = decode_batch(payload)
+            events = decode_batch(payload, self._groups)
         except DecodeError as exc:
             self._metrics.kv_event_errors.inc()
             log.warning("kv events from %s: undecodable batch: %s", self.target.key, exc)

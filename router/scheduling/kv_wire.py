@@ -1,16 +1,32 @@
 """Decoding vLLM's KV event batches (the wire format is described in `kv_events`).
 
-Two decoders, one result. The fast one decodes a batch straight into typed structs at C
-speed (`msgspec` with the array layout of vLLM's tagged `KVCacheEvent` structs: field
-order, optional trailing fields, extra trailing fields ignored, token ids checked to be
-unsigned 32-bit): that is what every vLLM before vllm#42892 and the simulator send. Any
-batch it does not accept, and only those, goes to the generic decoder, which walks plain
-msgpack values: map-encoded events (newer vLLM), bytes block hashes mixed with ints, event
-kinds it does not know (skipped), and malformed fields (a bad `token_ids` or `lora_name` is
-dropped, a bad `medium` or `block_hashes` rejects the batch). Both return the same
-`Stored` / `Removed` / `Cleared` values, so `apply_events` and the index never see which
-one ran. Measured on batches of 60-block prefills (GPU store, store write, eviction): the
-fast path decodes 1.4-2x faster.
+Two encodings, one result. vLLM before vllm#42892 (and the simulator by default) writes a
+batch and its events as arrays (`array_like` structs: field order, trailing fields
+optional); newer vLLM writes maps, each event tagged under `"type"`. The first byte of a
+batch says which: each has a typed decoder at C speed (`msgspec` structs of the fields
+pdgate reads; fields it does not know are ignored, token ids are checked to be unsigned
+32-bit). A batch neither typed decoder accepts goes to the generic decoder, which walks
+plain msgpack values: bytes block hashes mixed with ints, event kinds it does not know
+(skipped), malformed fields (a bad `token_ids` or `lora_name` is dropped, a bad `medium` or
+`block_hashes` rejects the batch). All return the same `Stored` / `Removed` / `Cleared`
+values, so `apply_events` and the index never see which one ran.
+
+Runs. vLLM's `MooncakeStoreConnector` publishes every block it writes to the store as an
+event of its own, its parent the block before it. Consecutive one-block `BlockStored`s
+that chain (each one's parent the last block of the run so far) and agree on medium,
+block size, LoRA name and whether they carry token ids and extra keys are merged into one
+`Stored`: the index applies a run as it would the blocks one by one, at one call.
+
+KV cache groups. A hybrid model (sliding-window or Mamba layers beside full attention)
+has a group per kind of layer, numbered in layer order, and a block is cached per group.
+A prompt's prefix hit is bounded by the full-attention group (the others keep a window or
+a state), so that is the group indexed: each stream's `GroupChoice` learns the groups'
+kinds from their `BlockStored`s (`kv_cache_spec_kind`, vllm#40984) and keeps the lowest
+group of a full-attention kind; a `BlockRemoved` names only its group. Without kinds
+(older vLLM, one group) group 0 (`group_idx` absent, None or 0) is indexed.
+
+Measured on batches of 60-block prefills (GPU store, store write, eviction): the typed
+path decodes 1.4-2x faster than the generic one.
 """
 
 from __future__ import annotations
@@ -25,12 +41,15 @@ import msgspec
 from router.scheduling.precise_index import PrecisePrefixIndex
 
 _HASH_MASK: Final = (1 << 64) - 1
+#: `kv_cache_spec_kind`s whose blocks cover a prompt from its start (vLLM's
+#: `KVCacheSpecKind`): the group indexed is the lowest of these kinds.
+FULL_PREFIX_KINDS: Final = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
 
 
 @dataclass(frozen=True, slots=True)
 class Stored:
-    """A decoded `BlockStored` (group 0). `token_ids` None: the event carried none usable;
-    `extra_keys` None: absent (vLLM before vllm#33304), else one entry per block."""
+    """A decoded `BlockStored` (or a run of them). `token_ids` None: the event carried none
+    usable; `extra_keys` None: absent (vLLM before vllm#33304), else one entry per block."""
 
     block_hashes: tuple[int, ...]
     medium: str | None
@@ -59,7 +78,36 @@ class DecodeError(ValueError):
     """A payload that is not a vLLM KVEventBatch."""
 
 
-# -- vLLM's array layout: the fast path's structs, and the generic path's field positions --
+class GroupChoice:
+    """Which KV cache group of one engine's stream is indexed (module docstring).
+
+    `group`: the chosen group, None until a `BlockStored` of a full-attention kind is
+    seen (until then group 0 is kept, unless its kind is known to be another)."""
+
+    __slots__ = ("group", "kinds")
+
+    def __init__(self) -> None:
+        self.group: int | None = None
+        self.kinds: dict[int, str] = {}
+
+    def keep_stored(self, group: int | None, kind: str | None) -> bool:
+        index = group or 0
+        if kind is not None and index not in self.kinds and len(self.kinds) < 64:
+            self.kinds[index] = kind
+            if kind in FULL_PREFIX_KINDS and (self.group is None or index < self.group):
+                self.group = index
+        return self.keep_removed(group)
+
+    def keep_removed(self, group: int | None) -> bool:
+        index = group or 0
+        chosen = self.group
+        if chosen is not None:
+            return index == chosen
+        kind = self.kinds.get(index)
+        return index == 0 and (kind is None or kind in FULL_PREFIX_KINDS)
+
+
+# -- the typed decoders: vLLM's array layout, and its map layout -----------------------------
 
 _TokenId = Annotated[int, msgspec.Meta(ge=0, le=0xFFFFFFFF)]
 
@@ -78,6 +126,7 @@ class _WireStored(_WireEvent, tag="BlockStored"):
     lora_name: str | None = None
     extra_keys: list[Any] | None = None
     group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
 
 
 class _WireRemoved(_WireEvent, tag="BlockRemoved"):
@@ -95,7 +144,49 @@ class _WireBatch(msgspec.Struct, array_like=True, gc=False):
     events: list[_WireStored | _WireRemoved | _WireCleared]
 
 
-_typed_decoder = msgspec.msgpack.Decoder(_WireBatch)
+class _MapEvent(msgspec.Struct, tag=True, gc=False):
+    """`{"type": tag, field: value...}`; fields not below are ignored."""
+
+
+class _MapStored(_MapEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None = None
+    token_ids: list[_TokenId] | None = None
+    block_size: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+
+
+class _MapRemoved(_MapEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class _MapCleared(_MapEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class _MapBatch(msgspec.Struct, gc=False):
+    ts: float
+    events: list[_MapStored | _MapRemoved | _MapCleared]
+
+
+class _MixedBatch(msgspec.Struct, array_like=True, gc=False):
+    """A positional batch of map events (seen between the two layouts)."""
+
+    ts: float
+    events: list[_MapStored | _MapRemoved | _MapCleared]
+
+
+_array_decoder = msgspec.msgpack.Decoder(_WireBatch)
+_map_decoder = msgspec.msgpack.Decoder(_MapBatch)
+_mixed_decoder = msgspec.msgpack.Decoder(_MixedBatch)
+_STORED_TYPES: Final = (_WireStored, _MapStored)
+_REMOVED_TYPES: Final = (_WireRemoved, _MapRemoved)
 
 
 _decoder = msgspec.msgpack.Decoder()
@@ -103,6 +194,79 @@ _decoder = msgspec.msgpack.Decoder()
 # Positions of fields in array-encoded events (index 0 is the tag): the structs' order.
 _STORED_FIELDS: Final = {name: i for i, name in enumerate(_WireStored.__struct_fields__, 1)}
 _REMOVED_FIELDS: Final = {name: i for i, name in enumerate(_WireRemoved.__struct_fields__, 1)}
+
+
+def _is_map(payload: bytes) -> bool:
+    """Whether a msgpack value starts as a map (fixmap, map 16, map 32)."""
+    first = payload[0] if payload else 0
+    return 0x80 <= first <= 0x8F or first in (0xDE, 0xDF)
+
+
+class _Runs:
+    """The decoded events of one batch, consecutive one-block stores merged (docstring)."""
+
+    __slots__ = ("out", "run")
+
+    def __init__(self) -> None:
+        self.out: list[KVEvent] = []
+        #: The open run: [hashes, medium, parent, tokens or None, size, lora, extras or None]
+        self.run: list[Any] | None = None
+
+    def stored(
+        self, hashes: list[int], medium: str | None, parent: int | None,
+        tokens: list[int] | None, size: int | None, lora: str | None, extra: list[Any] | None,
+    ) -> None:
+        run = self.run
+        if (
+            run is not None
+            and len(hashes) == 1
+            and parent == run[0][-1]
+            and medium == run[1]
+            and size == run[4]
+            and lora == run[5]
+            and (tokens is None) == (run[3] is None)
+            and (extra is None) == (run[6] is None)
+            and (tokens is None or (size is not None and len(tokens) == size))
+        ):
+            run[0].append(hashes[0])
+            if tokens is not None:
+                run[3].extend(tokens)
+            if extra is not None:
+                run[6].extend(extra)
+            return
+        self.close()
+        if len(hashes) == 1 and (tokens is None or (size is not None and len(tokens) == size)):
+            self.run = [
+                list(hashes), medium, parent, None if tokens is None else list(tokens), size,
+                lora, None if extra is None else list(extra),
+            ]
+        else:
+            self.out.append(_stored_of(hashes, medium, parent, tokens, size, lora, extra))
+
+    def other(self, event: KVEvent) -> None:
+        self.close()
+        self.out.append(event)
+
+    def close(self) -> None:
+        run = self.run
+        if run is not None:
+            self.run = None
+            self.out.append(_stored_of(*run))
+
+    def events(self) -> list[KVEvent]:
+        self.close()
+        return self.out
+
+
+def _stored_of(
+    hashes: list[int], medium: str | None, parent: int | None, tokens: list[int] | None,
+    size: int | None, lora: str | None, extra: list[Any] | None,
+) -> Stored:
+    return Stored(
+        tuple(hashes), medium, parent_block_hash=parent,
+        token_ids=None if tokens is None else tuple(tokens), block_size=size,
+        lora_name=lora, extra_keys=None if extra is None else tuple(extra),
+    )
 
 
 def _hash(value: Any) -> int:
@@ -120,7 +284,7 @@ def _field(event: Any, name: str, positions: Mapping[str, int]) -> Any:
     return event[index] if index < len(event) else None
 
 
-def _decode_event(raw: Any) -> KVEvent | None:
+def _decode_event(raw: Any, groups: GroupChoice, runs: _Runs) -> None:
     if isinstance(raw, list | tuple) and raw:
         tag = raw[0]
     elif isinstance(raw, dict):
@@ -128,98 +292,103 @@ def _decode_event(raw: Any) -> KVEvent | None:
     else:
         raise DecodeError("event is neither an array nor a map")
     if tag == "AllBlocksCleared":
-        return Cleared()
+        runs.other(Cleared())
+        return
     if tag == "BlockStored":
         positions = _STORED_FIELDS
     elif tag == "BlockRemoved":
         positions = _REMOVED_FIELDS
     else:
-        return None  # a newer event kind: not ours to interpret
+        return  # a newer event kind: not ours to interpret
     group = _field(raw, "group_idx", positions)
-    if group not in (None, 0):
-        return None
+    if not isinstance(group, int | None):
+        return
+    if tag == "BlockStored":
+        kind = _field(raw, "kv_cache_spec_kind", positions)
+        if not groups.keep_stored(group, kind if isinstance(kind, str) else None):
+            return
+    elif not groups.keep_removed(group):
+        return
     hashes = _field(raw, "block_hashes", positions)
     if not isinstance(hashes, list):
         raise DecodeError(f"{tag}.block_hashes is not a list")
     medium = _field(raw, "medium", positions)
     if medium is not None and not isinstance(medium, str):
         raise DecodeError(f"{tag}.medium is not a string")
-    block_hashes = tuple(_hash(h) for h in hashes)
-    if tag == "BlockStored":
-        return _stored(raw, block_hashes, medium)
-    return Removed(block_hashes, medium)
-
-
-def _stored(raw: Any, block_hashes: tuple[int, ...], medium: str | None) -> Stored:
+    block_hashes = [_hash(h) for h in hashes]
+    if tag == "BlockRemoved":
+        runs.other(Removed(tuple(block_hashes), medium))
+        return
     fields = _STORED_FIELDS
     parent = _field(raw, "parent_block_hash", fields)
     tokens = _field(raw, "token_ids", fields)
     size = _field(raw, "block_size", fields)
     lora = _field(raw, "lora_name", fields)
     extra = _field(raw, "extra_keys", fields)
-    token_ids: tuple[int, ...] | None = None
+    token_ids: list[int] | None = None
     if isinstance(tokens, list):
         try:
             array("I", tokens)  # unsigned 32-bit ints, checked at C speed
-            token_ids = tuple(tokens)
+            token_ids = tokens
         except (TypeError, OverflowError):
             token_ids = None
-    return Stored(
-        block_hashes,
-        medium,
-        parent_block_hash=None if parent is None else _hash(parent),
-        token_ids=token_ids,
-        block_size=size if type(size) is int else None,
-        lora_name=lora if isinstance(lora, str) else None,
-        extra_keys=tuple(extra) if isinstance(extra, list) else None,
+    runs.stored(
+        block_hashes, medium, None if parent is None else _hash(parent), token_ids,
+        size if type(size) is int else None, lora if isinstance(lora, str) else None,
+        extra if isinstance(extra, list) else None,
     )
 
 
-def _int_hashes(values: list[int]) -> tuple[int, ...]:
+def _int_hashes(values: list[int]) -> list[int]:
     """Block hashes as unsigned 64-bit ints (msgpack ints are below 2**64 already)."""
     if values and min(values) < 0:
-        return tuple(v & _HASH_MASK for v in values)
-    return tuple(values)
+        return [v & _HASH_MASK for v in values]
+    return values
 
 
-def _decode_typed(payload: bytes) -> list[KVEvent] | None:
-    """The batch's events, or None when the batch is not the array-encoded layout."""
+def _decode_typed(payload: bytes, groups: GroupChoice | None = None) -> list[KVEvent] | None:
+    """The batch's events, or None when neither typed layout accepts the batch."""
+    batch: _WireBatch | _MapBatch | _MixedBatch
     try:
-        batch = _typed_decoder.decode(payload)
+        if _is_map(payload):
+            batch = _map_decoder.decode(payload)
+        else:
+            try:
+                batch = _array_decoder.decode(payload)
+            except msgspec.ValidationError:
+                batch = _mixed_decoder.decode(payload)
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None
-    out: list[KVEvent] = []
+    groups = groups or GroupChoice()
+    runs = _Runs()
     for raw in batch.events:
-        if type(raw) is _WireStored:
-            if raw.group_idx:
+        if isinstance(raw, _STORED_TYPES):
+            if not groups.keep_stored(raw.group_idx, raw.kv_cache_spec_kind):
                 continue
             parent = raw.parent_block_hash
-            tokens = raw.token_ids
-            extra = raw.extra_keys
-            out.append(Stored(
-                _int_hashes(raw.block_hashes),
-                raw.medium,
-                parent_block_hash=None if parent is None else parent & _HASH_MASK,
-                token_ids=None if tokens is None else tuple(tokens),
-                block_size=raw.block_size,
-                lora_name=raw.lora_name,
-                extra_keys=None if extra is None else tuple(extra),
-            ))  # fmt: skip
-        elif type(raw) is _WireRemoved:
-            if not raw.group_idx:
-                out.append(Removed(_int_hashes(raw.block_hashes), raw.medium))
+            runs.stored(
+                _int_hashes(raw.block_hashes), raw.medium,
+                None if parent is None else parent & _HASH_MASK, raw.token_ids,
+                raw.block_size, raw.lora_name, raw.extra_keys,
+            )  # fmt: skip
+        elif isinstance(raw, _REMOVED_TYPES):
+            if groups.keep_removed(raw.group_idx):
+                runs.other(Removed(tuple(_int_hashes(raw.block_hashes)), raw.medium))
         else:
-            out.append(Cleared())
-    return out
+            runs.other(Cleared())
+    return runs.events()
 
 
-def decode_batch(payload: bytes) -> list[KVEvent]:
-    """The events of one msgpack KVEventBatch (array or map encoded; see the docstring)."""
-    fast = _decode_typed(payload)
-    return fast if fast is not None else _decode_generic(payload)
+def decode_batch(payload: bytes, groups: GroupChoice | None = None) -> list[KVEvent]:
+    """The events of one msgpack KVEventBatch (array or map encoded; see the docstring).
+    `groups`: the stream's group choice, which this batch's events may teach (None: a
+    fresh one, as for a stream's first batch)."""
+    groups = groups or GroupChoice()
+    fast = _decode_typed(payload, groups)
+    return fast if fast is not None else _decode_generic(payload, groups)
 
 
-def _decode_generic(payload: bytes) -> list[KVEvent]:
+def _decode_generic(payload: bytes, groups: GroupChoice | None = None) -> list[KVEvent]:
     try:
         batch = _decoder.decode(payload)
     except msgspec.DecodeError as exc:
@@ -232,12 +401,11 @@ def _decode_generic(payload: bytes) -> list[KVEvent]:
         raise DecodeError("batch is neither [ts, events, dp_rank] nor a map")
     if not isinstance(events, list):
         raise DecodeError("batch events is not a list")
-    out: list[KVEvent] = []
+    groups = groups or GroupChoice()
+    runs = _Runs()
     for raw in events:
-        event = _decode_event(raw)
-        if event is not None:
-            out.append(event)
-    return out
+        _decode_event(raw, groups, runs)
+    return runs.events()
 
 
 def apply_events(
@@ -258,8 +426,10 @@ def apply_events(
 
 
 __all__ = [
+    "FULL_PREFIX_KINDS",
     "Cleared",
     "DecodeError",
+    "GroupChoice",
     "KVEvent",
     "Removed",
     "Stored",

@@ -15,21 +15,24 @@ events are needed. The record is an LRU per server bounded by the
 pool's capacity (in blocks of the index that keys it), as the store itself evicts least
 recently used objects once full; `MAX_POOL_BLOCKS` caps it whatever the annotation says.
 
-KV events with a store medium (`BlockStored(medium="MOONCAKE")`) refine the same record
-when engines publish them. The precise index (`precise_index.PrecisePrefixIndex`) keeps
+KV events with a store medium (`BlockStored(medium="cpu")`, one block an event) refine the
+same record when engines publish them. The precise index (`precise_index.PrecisePrefixIndex`) keeps
 its own store pool in engine keys and, without store events, fills it from the blocks the
 server's prefill pods say they stored (`BlockStored` on their GPU: the connector writes
 each of them to the store; `pool_writers` names those pods), not from dispatches: the
 router then never encodes a prompt past the first block nobody holds. Who publishes what
 (checked against the public sources, 2025-2026):
-- vLLM with `MooncakeStoreConnector`: `BlockStored` for blocks written to the store
-  (vllm-project/vllm#44103 fixed their hashes for hybrid models);
+- vLLM with `MooncakeStoreConnector`: `BlockStored(medium="cpu")` for each block written to
+  the store, its parent the request's block before it, no `BlockRemoved` (the store's
+  evictions are not reported; vllm-project/vllm#44103 fixed their hashes for hybrid
+  models);
 - LMCache: KV events for its storage backends (LMCache RFC #1846);
-- vllm-ascend with the Mooncake/Memcache KV pool: none yet (vllm-ascend RFC #6391,
-  Mooncake RFC #1408 propose a Mooncake-side publisher): the dispatch-fed view (and,
-  for the precise index, the prefill pods' GPU events) is the only view there;
-- vLLM's GPU prefix cache and CPU `OffloadingConnector`: medium `GPU` / `CPU` (local to
-  the pod, not the pool).
+- vllm-ascend with the Mooncake/Memcache KV pool (`ascend_store`): the same
+  `BlockStored(medium="cpu")` in recent versions; older ones none (vllm-ascend RFC #6391,
+  Mooncake RFC #1408): there the dispatch-fed view (and, for the precise index, the
+  prefill pods' GPU events) is the only view;
+- vLLM's GPU prefix cache and CPU `OffloadingConnector`: medium `GPU` / `CPU` (upper case:
+  local to the pod, not the pool).
 """
 
 from __future__ import annotations

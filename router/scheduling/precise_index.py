@@ -9,9 +9,13 @@ HBM; any other medium that is not a store medium, e.g. `CPU` offload, also count
 local to that pod). A block counts for the pod while any local medium holds it; a
 `BlockRemoved` names the medium it left. `AllBlocksCleared` empties the pod.
 
-Store media (`store_media`, default `MOONCAKE`): a block written to a shared KV store
-(Mooncake Store) is reusable by EVERY prefill pod of the same ModelServer (its "scope"),
-so such blocks go to one pool per scope instead of to the pod. A scorer credits a pool
+Store media (`store_media`, default `cpu`, matched as spelt): a block written to a shared KV
+store (Mooncake Store) is reusable by EVERY prefill pod of the same ModelServer (its "scope"),
+so such blocks go to one pool per scope instead of to the pod. vLLM's
+`MooncakeStoreConnector` (and vllm-ascend's Mooncake/Memcache pool) publish a block written
+to the store as `BlockStored(medium="cpu")`, one block an event; vLLM's CPU
+`OffloadingConnector` publishes its own tier as `"CPU"`: the case tells the two apart, so
+media are compared exactly. A scorer credits a pool
 block at a cost factor below a local hit (`precise_prefix_cache.PrecisePrefixCacheScorer`).
 Engines that publish no store events (vllm-ascend's KV pool) still write every block
 their prefill computes to the store: the pods `set_pool_writers` names (prefill pods of a
@@ -62,7 +66,7 @@ DEFAULT_MAX_BLOCKS_PER_POD: Final = 262_144
 #: Default bound of one scope's store pool (blocks).
 DEFAULT_MAX_STORE_BLOCKS: Final = 1 << 20
 #: Default store media: blocks in these are shared by every prefill pod of the scope.
-DEFAULT_STORE_MEDIA: Final = frozenset({"MOONCAKE"})
+DEFAULT_STORE_MEDIA: Final = frozenset({"cpu"})
 #: Distinct local media names tracked with their own bit (more share the last bit).
 MAX_MEDIA_BITS: Final = 16
 #: Distinct medium names remembered at all (an engine naming more gets the shared bit).
@@ -102,7 +106,7 @@ class PrecisePrefixIndex:
     ) -> None:
         self.max_blocks_per_pod = max_blocks_per_pod
         self.max_store_blocks = max_store_blocks
-        self.store_media = frozenset(m.upper() for m in store_media)
+        self.store_media = frozenset(store_media)
         self._slots = PodSlots()
         self._masks: dict[int, int] = {}
         self._pods: dict[str, dict[int, int]] = {}
@@ -127,7 +131,7 @@ class PrecisePrefixIndex:
         return bit
 
     def is_store_medium(self, medium: str | None) -> bool:
-        return medium is not None and medium.upper() in self.store_media
+        return medium in self.store_media
 
     # -- key spaces -----------------------------------------------------------------------
 
@@ -176,8 +180,6 @@ class PrecisePrefixIndex:
             return None, False
         if space is None or space.mode == "hashes":
             return hashes, False
-        if token_ids is None:
-            return None, True
         blocks = self._pods.get(key)
         if blocks is not None and key in self._translated:
             # The pod keyed these blocks already (a store write follows the GPU store of
@@ -185,6 +187,8 @@ class PrecisePrefixIndex:
             entries = [blocks.get(engine_hash) for engine_hash in hashes]
             if None not in entries:
                 return [entry >> MEDIA_SHIFT for entry in entries], True  # type: ignore[operator]
+        if not token_ids:  # vLLM's store writes may carry none (`[]`): nothing to key by
+            return None, True
         parent_key = TOKENS_ROOT if parent is None else self._router_key(key, scope, parent)
         if parent_key is None:
             return None, True

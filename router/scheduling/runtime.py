@@ -221,7 +221,7 @@ class SchedulerRuntime:
         p = config.precise_index
         self.precise.max_blocks_per_pod = p.max_blocks_per_pod
         self.precise.max_store_blocks = p.max_store_blocks
-        self.precise.store_media = frozenset(m.upper() for m in p.store_media)
+        self.precise.store_media = frozenset(p.store_media)
         keying = key_settings(p)
         if keying != key_settings(old.precise_index):
             self.deps.hasher = _hasher(config, self._tokenize, self.tokenizers)

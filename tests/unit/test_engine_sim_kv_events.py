@@ -70,6 +70,10 @@ class VBlockStored(VEvent, tag="BlockStored"):
     lora_id: int | None
     medium: str | None
     lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
 
 
 class VBlockRemoved(VEvent, tag="BlockRemoved"):
@@ -197,16 +201,22 @@ async def test_one_batch_per_loop_tick_and_sequence_counts_up(rig: Rig) -> None:
     assert rig.publisher.last_seq == 1
 
 
-async def test_store_written_blocks_carry_the_mooncake_medium(rig: Rig) -> None:
+async def test_store_written_blocks_are_published_as_vllms_mooncake_store(rig: Rig) -> None:
+    """vLLM's MooncakeStoreWorker: one `BlockStored(medium="cpu")` a block written, its
+    parent the prompt's block before it (written or not), group 0, no extra keys."""
     prompt = tokens(80)
     hashes = hash_prompt_blocks(prompt, 16)
     rig.publisher.store_written(hashes, [0, 1, 3], prompt, 16)
     await tick()
     _, _, payload = await rig.recv()
     batch = _vllm_decoder.decode(payload)
-    runs = [(e.block_hashes, e.parent_block_hash, e.medium, len(e.token_ids))
-            for e in batch.events if isinstance(e, VBlockStored)]
-    assert runs == [(hashes[0:2], None, "MOONCAKE", 32), (hashes[3:4], hashes[2], "MOONCAKE", 16)]
+    runs = [(e.block_hashes, e.parent_block_hash, e.medium, e.token_ids, e.group_idx,
+             e.extra_keys) for e in batch.events if isinstance(e, VBlockStored)]
+    assert runs == [
+        ([hashes[0]], None, "cpu", list(prompt[0:16]), 0, None),
+        ([hashes[1]], hashes[0], "cpu", list(prompt[16:32]), 0, None),
+        ([hashes[3]], hashes[2], "cpu", list(prompt[48:64]), 0, None),
+    ]
 
 
 async def test_replay_answers_from_a_bounded_ring() -> None:
@@ -221,7 +231,7 @@ async def test_replay_answers_from_a_bounded_ring() -> None:
         got = await rig.replay(0)
         assert [seq for seq, _ in got] == [2, 3, 4]  # the ring kept the last three
         assert decode_batch(got[0][1]) == [
-            Stored((1002,), "MOONCAKE", None, tuple(tokens(16)), 16, None, (None,))
+            Stored((1002,), "cpu", None, tuple(tokens(16)), 16, None, None)
         ]
         assert [seq for seq, _ in await rig.replay(4)] == [4]
         assert await rig.replay(9) == []
@@ -364,7 +374,7 @@ async def test_sim_pod_publishes_serves_cache_and_cache_config_info(
         context.term()
 
 
-# -- the engine: store writes as MOONCAKE events, prefix reuse through the store ---------------
+# -- the engine: store writes as vLLM's Mooncake Store events, prefix reuse through the store --
 
 
 def _engine(publisher: KVEventPublisher | None, store: MemoryKVStore, **changes: Any) -> Engine:
@@ -386,7 +396,7 @@ async def _prefill(engine: Engine, prompt: str) -> int:
         return generation.cached_tokens
 
 
-async def test_engine_publishes_store_writes_with_the_mooncake_medium(rig: Rig) -> None:
+async def test_engine_publishes_store_writes_as_vllms_mooncake_store(rig: Rig) -> None:
     store = MemoryKVStore()
     engine = _engine(rig.publisher, store)
     prompt = "one two three four " * 20  # 160 tokens: 10 full blocks
@@ -396,13 +406,15 @@ async def test_engine_publishes_store_writes_with_the_mooncake_medium(rig: Rig) 
     while len([e for e in events if isinstance(e, Stored)]) < 2:
         events.extend(decode_batch((await rig.recv())[2]))
     gpu = [e for e in events if isinstance(e, Stored) and e.medium == "GPU"]
-    pooled = [e for e in events if isinstance(e, Stored) and e.medium == "MOONCAKE"]
+    pooled = [e for e in events if isinstance(e, Stored) and e.medium == "cpu"]
     ids = engine.tokenizer.request_ids("completion", {"prompt": prompt})[0]
     hashes = tuple(engine.block_hashes.hashes(ids))
     ids = tuple(ids)[: 16 * len(hashes)]
     nones = (None,) * len(hashes)
     assert gpu == [Stored(hashes, "GPU", None, ids, 16, None, nones)]
-    assert pooled == [Stored(hashes, "MOONCAKE", None, ids, 16, None, nones)]
+    # Published one block an event, as vLLM's store connector does; the router's decoder
+    # merges the chain back into one run (the wire form is pinned by the test above).
+    assert pooled == [Stored(hashes, "cpu", None, ids, 16, None, None)]
     # The same prompt again: its blocks are in the store already, nothing new is published.
     published = rig.publisher.last_seq
     await _prefill(engine, prompt)

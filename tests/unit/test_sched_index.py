@@ -396,23 +396,33 @@ def test_precise_index_media_removal_and_clear() -> None:
 
 
 def test_store_medium_blocks_count_on_every_pod_of_the_server() -> None:
-    index = PrecisePrefixIndex(store_media=["MOONCAKE"])
-    index.stored("ns/a", "ns/srv", [1, 2, 3, 4], "MOONCAKE")
+    """By default the store medium is vLLM MooncakeStoreConnector's "cpu", matched as
+    spelt: vLLM's CPU OffloadingConnector publishes "CPU", a tier of the pod's own."""
+    index = PrecisePrefixIndex()
+    index.stored("ns/a", "ns/srv", [1, 2, 3, 4], "cpu")
     index.stored("ns/b", "ns/srv", [1, 2], "GPU")
     local, reach = index.match(["ns/a", "ns/b", "ns/c"], "ns/srv", [1, 2, 3, 4, 5])
     assert local == [0, 2, 0]
     assert reach == [4, 4, 4]
     # Another server's pods do not see this store pool.
     assert index.match(["ns/x"], "ns/other", [1, 2]) == ([0], [0])
-    index.removed("ns/b", "ns/srv", [3], "mooncake")  # any pod may report it leaving
+    index.removed("ns/b", "ns/srv", [3], "cpu")  # any pod may report it leaving
     assert index.match(["ns/c"], "ns/srv", [1, 2, 3]) == ([0], [2])
+    index.stored("ns/c", "ns/srv", [1, 2, 3], "CPU")  # offloaded: c's own, not the pool's
+    assert index.match(["ns/a", "ns/c"], "ns/srv", [1, 2, 3]) == ([0, 3], [2, 3])
+    # A configured medium is matched as spelt too.
+    named = PrecisePrefixIndex(store_media=["MOONCAKE"])
+    named.stored("ns/a", "ns/srv", [1], "MOONCAKE")
+    named.stored("ns/a", "ns/srv", [7], "mooncake")
+    assert named.match(["ns/b"], "ns/srv", [1]) == ([0], [1])
+    assert named.match(["ns/b"], "ns/srv", [7]) == ([0], [0])
 
 
 def test_precise_index_is_bounded() -> None:
     index = PrecisePrefixIndex(max_blocks_per_pod=10, max_store_blocks=5)
     index.stored("p", "s", list(range(25)), "GPU")
     assert len(index.blocks_of("p")) == 10
-    index.stored("p", "s", list(range(100, 120)), "MOONCAKE")
+    index.stored("p", "s", list(range(100, 120)), "cpu")
     assert len(index.store_blocks("s")) == 5
     assert index.overflow_evictions == 30
 

@@ -174,14 +174,33 @@ def test_tokens_mode_store_writes_key_like_the_pods_own_blocks() -> None:
     index.stored("p", SCOPE, [1, 2, 3, 4, 5], "GPU", token_ids=tokens, block_size=BS,
                  extra_keys=extra)
     assert index.keys_of("p") == set(expected)
-    index.stored("p", SCOPE, [1, 2, 3, 4, 5], "MOONCAKE", token_ids=tokens, block_size=BS,
+    index.stored("p", SCOPE, [1, 2, 3, 4, 5], "cpu", token_ids=tokens, block_size=BS,
                  extra_keys=extra)  # reused from the pod's table
-    index.stored("q", SCOPE, [1, 2, 3, 4, 5], "MOONCAKE", token_ids=tokens, block_size=BS,
+    index.stored("q", SCOPE, [1, 2, 3, 4, 5], "cpu", token_ids=tokens, block_size=BS,
                  extra_keys=extra)  # hashed: pod q never stored them
-    index.stored("q", SCOPE, [6], "MOONCAKE", parent=5, token_ids=[7] * BS, block_size=BS)
+    index.stored("q", SCOPE, [6], "cpu", parent=5, token_ids=[7] * BS, block_size=BS)
     assert index.store_blocks(SCOPE) == {*expected, space.chain([*tokens, *[7] * BS],
                                                                 cache_salt="s")[-1]}
     assert index.unkeyed_blocks == 0
+
+
+def test_vllms_store_writes_one_block_an_event_key_as_the_pods_blocks() -> None:
+    """vLLM's MooncakeStoreConnector publishes each block written as its own event, with no
+    extra keys (so no salt on block 0) and at times no token ids: the pod's own GPU event
+    of the same block keys it; a block no pod keyed and no token ids is left out."""
+    space = KeySpace.of("tokens")
+    index = PrecisePrefixIndex()
+    index.set_spaces({SCOPE: space})
+    tokens = list(range(2000, 2000 + BS * 3))
+    expected = space.chain(tokens, cache_salt="s")
+    index.stored("p", SCOPE, [1, 2, 3], "GPU", token_ids=tokens, block_size=BS,
+                 extra_keys=[("s",), None, None])
+    for i, block in enumerate((1, 2, 3)):
+        index.stored("p", SCOPE, [block], "cpu", parent=block - 1 if i else None,
+                     token_ids=tokens[i * BS:(i + 1) * BS] if i != 1 else [], block_size=BS)
+    assert index.store_blocks(SCOPE) == set(expected)
+    index.stored("q", SCOPE, [9], "cpu", parent=None, token_ids=[], block_size=BS)
+    assert index.unkeyed_blocks == 1 and index.store_blocks(SCOPE) == set(expected)
 
 
 def test_a_parent_the_router_never_saw_is_left_out_not_guessed() -> None:

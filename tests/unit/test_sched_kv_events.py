@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 from engine_sim.kv_events_pub import BlockRemoved as SimRemoved
 from engine_sim.kv_events_pub import KVEventBatch as SimBatch
 from engine_sim.kv_events_pub import block_stored_event
+from router.kvhash.keyspace import KeySpace
 from router.resources import ModelServer, ObjectMeta, PDGroup
 from router.scheduling.kv_events import (
     Cleared,
@@ -28,7 +29,7 @@ from router.scheduling.kv_events import (
     decode_batch,
     stream_targets,
 )
-from router.scheduling.kv_wire import _decode_generic, _decode_typed
+from router.scheduling.kv_wire import GroupChoice, _decode_generic, _decode_typed, apply_events
 from router.scheduling.metrics import SchedulerMetrics
 from router.scheduling.precise_index import PrecisePrefixIndex
 from router.view import Endpoint, PDGroupPods, ServerPods, Snapshot
@@ -70,7 +71,7 @@ class AllBlocksCleared(ArrayEvent, tag="AllBlocksCleared"):
     pass
 
 
-class MapBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+class MapBatch(msgspec.Struct, omit_defaults=True, gc=False):
     ts: float
     events: list[Any]
     data_parallel_rank: int | None = None
@@ -252,14 +253,16 @@ def test_decode_array_encoded_batches() -> None:
 
 def test_decode_map_encoded_events_and_ignore_other_groups() -> None:
     data = _encoder.encode(MapBatch(1.0, [
-        MapBlockStored([1, 2], None, [1] * 32, 16, None, "GPU", None, None, 0, "full"),
-        MapBlockStored([3], None, [1] * 16, 16, None, "GPU", None, None, 1, "sliding"),
+        MapBlockStored([1, 2], None, [1] * 32, 16, None, "GPU", None, None, 0,
+                       "full_attention"),
+        MapBlockStored([3], None, [1] * 16, 16, None, "GPU", None, None, 1, "sliding_window"),
         MapBlockRemoved([2], "GPU"),
         MapAllBlocksCleared(),
     ], 0))
     assert decode_batch(data) == [
         Stored((1, 2), "GPU", None, (1,) * 32, 16), Removed((2,), "GPU"), Cleared()
     ]
+    assert _decode_typed(data) == _decode_generic(data) == decode_batch(data)  # map: typed
     as_map = msgspec.msgpack.encode({"ts": 1.0, "events": [{"type": "BlockRemoved",
                                                             "block_hashes": [9]}]})
     assert decode_batch(as_map) == [Removed((9,), None)]
@@ -281,7 +284,7 @@ def test_the_typed_fast_path_decodes_exactly_like_the_generic_decoder() -> None:
     the same events."""
     sim = _encoder.encode(SimBatch(1.0, [
         block_stored_event([2**64 - 1, 3], 12, list(range(32)), 16, "GPU", 0, "salt"),
-        block_stored_event([2**64 - 1, 3], 12, list(range(32)), 16, "MOONCAKE", 0, "salt"),
+        block_stored_event([2**64 - 1, 3], 12, list(range(32)), 16, "cpu", 0, "salt"),
         SimRemoved([3], "GPU", 0),
     ], 0))
     typed = _decode_typed(sim)
@@ -300,6 +303,7 @@ def test_the_typed_fast_path_decodes_exactly_like_the_generic_decoder() -> None:
                                            None, 1)),
         "unknown kind": msgspec.msgpack.encode([1.0, [["SomethingNew", 1], ["AllBlocksCleared"]]]),
         "map events": _encoder.encode(MapBatch(1.0, [MapBlockRemoved([2], "GPU")])),
+        "map events, array batch": _encoder.encode(ArrayBatch(1.0, [MapBlockRemoved([2], "GPU")])),
         "no rank": _encoder.encode(ArrayBatch(1.0, [removed(4)])),
     }
     took_fast = set()
@@ -310,7 +314,63 @@ def test_the_typed_fast_path_decodes_exactly_like_the_generic_decoder() -> None:
             assert fast == _decode_generic(data), name
         assert decode_batch(data) == _decode_generic(data), name
     assert decode_batch(cases["negative int hash"])[0].block_hashes == (2**64 - 1, 2)
-    assert took_fast == {"negative int hash", "other group", "no rank"}
+    assert took_fast == {"negative int hash", "other group", "no rank", "map events",
+                         "map events, array batch"}
+
+
+def test_a_hybrid_models_full_attention_group_is_the_one_indexed() -> None:
+    """A hybrid model's group 0 may be sliding-window (Gemma 3) or Mamba (Qwen3-Next):
+    the stream learns each group's kind from its stores and indexes the full-attention
+    one, its removals too (which name only their group), in later batches as well."""
+    groups = GroupChoice()
+    first = _encoder.encode(MapBatch(1.0, [
+        MapBlockStored([11], None, [1] * 16, 16, None, "GPU", None, None, 0, "sliding_window"),
+        MapBlockStored([21], None, [1] * 16, 16, None, "GPU", None, None, 1, "full_attention"),
+        MapBlockStored([31], None, [1] * 16, 16, None, "GPU", None, None, 2, "mamba"),
+    ], 0))
+    assert decode_batch(first, groups) == [Stored((21,), "GPU", None, (1,) * 16, 16)]
+    later = _encoder.encode(MapBatch(2.0, [
+        MapBlockRemoved([11], "GPU", 0), MapBlockRemoved([21], "GPU", 1),
+        MapBlockRemoved([31], "GPU", 2),
+    ], 0))
+    assert decode_batch(later, groups) == [Removed((21,), "GPU")]
+    assert groups.group == 1
+    # Without kinds (older vLLM, one group): group 0, as before.
+    plain = GroupChoice()
+    assert decode_batch(payload(stored(5), removed(5)), plain) == [
+        Stored((5,), "GPU", None, (1,) * 16, 16), Removed((5,), "GPU")
+    ]
+    # An MLA model (DeepSeek) reports mla_attention: a full prefix too.
+    mla = _encoder.encode(MapBatch(1.0, [
+        MapBlockStored([7], None, [1] * 16, 16, None, "GPU", None, None, 0, "mla_attention"),
+    ], 0))
+    assert decode_batch(mla) == [Stored((7,), "GPU", None, (1,) * 16, 16)]
+
+
+def test_vllms_one_block_store_events_are_applied_as_one_run() -> None:
+    """vLLM's MooncakeStoreConnector sends each block written as its own event: chained
+    ones become one run, and the index ends the same as with the events one by one."""
+    chain = [BlockStored([100 + i], 99 + i if i else None, [i] * 16, 16, None, "cpu")
+             for i in range(4)]
+    apart = BlockStored([500], 7, [5] * 16, 16, None, "cpu")  # another prompt's block
+    no_tokens = BlockStored([600], 500, [], 16, None, "cpu")  # vLLM's when it has none
+    events = decode_batch(payload(*chain, apart, no_tokens))
+    assert events == [
+        Stored((100, 101, 102, 103), "cpu", None,
+               tuple(t for i in range(4) for t in [i] * 16), 16),
+        Stored((500,), "cpu", 7, (5,) * 16, 16),
+        Stored((600,), "cpu", 500, (), 16),
+    ]
+    # Keyed by token ids (router keys chained from each parent), as the trace phase keys.
+    one_by_one, merged = PrecisePrefixIndex(), PrecisePrefixIndex()
+    for index in (one_by_one, merged):
+        index.set_spaces({"s": KeySpace.of("tokens")})
+    for event in chain:
+        apply_events(one_by_one, "p", "s", decode_batch(payload(event)))
+    apply_events(merged, "p", "s", events)
+    assert len(one_by_one.store_blocks("s")) == 4
+    assert merged.store_blocks("s") == one_by_one.store_blocks("s")
+    assert merged.unkeyed_blocks == 2  # 500's parent unknown, 600 without token ids
 
 
 # -- one pod's stream over real sockets --------------------------------------------------------
@@ -452,7 +512,7 @@ async def test_store_medium_events_feed_the_shared_pool() -> None:
     rig = Rig()
     await rig.start()
     try:
-        await rig.engine.publish(payload(stored(1, 2, medium="MOONCAKE"), stored(1)))
+        await rig.engine.publish(payload(stored(1, 2, medium="cpu"), stored(1)))
         await eventually(lambda: rig.stream.last_seq == 0)
         assert rig.blocks() == {1}
         assert rig.index.store_blocks("ns/srv") == {1, 2}

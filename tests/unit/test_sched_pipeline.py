@@ -454,7 +454,7 @@ def test_precise_prefix_cache_counts_store_hits_at_a_factor() -> None:
     total = len(hashes)
     assert total > 20
     rt.precise.stored("default/p1", "default/pd", hashes[:4], "GPU")
-    rt.precise.stored("default/p1", "default/pd", hashes[:10], "MOONCAKE")
+    rt.precise.stored("default/p1", "default/pd", hashes[:10], "cpu")
     scorer = PrecisePrefixCacheScorer(1.0, rt.deps, {"storeHitFactor": 0.5})
     cands = candidates(rt, list(server.groups[0].prefill))
     # Score unit: p1: 4 local + 6 more from the store at 0.5; p2: 10 from the store at 0.5.
@@ -485,7 +485,7 @@ def test_precise_scores_from_leading_blocks_equal_the_full_hash() -> None:
     full = context(rt, server, request()).prompt.precise_hashes()
     rt.precise.stored("default/p1", "default/pd", full[:4], "GPU")
     rt.precise.stored("default/p2", "default/pd", full[:7], "GPU")
-    rt.precise.stored("default/p1", "default/pd", full[:10], "MOONCAKE")
+    rt.precise.stored("default/p1", "default/pd", full[:10], "cpu")
     scorer = PrecisePrefixCacheScorer(1.0, rt.deps, {"storeHitFactor": 0.5})
     cands = candidates(rt, list(server.groups[0].prefill))
     for ttft_unit in (False, True):
@@ -549,7 +549,7 @@ def test_prefill_pods_stored_blocks_feed_the_precise_pool_without_store_events()
     rt.precise.stored("default/p1", "default/pd", [40, 41], "GPU")
     assert {40, 41} <= rt.precise.store_blocks("default/pd")
     # Once the engines publish store events themselves, they alone say what the pool holds.
-    rt.precise.stored("default/p2", "default/pd", [50], "MOONCAKE")
+    rt.precise.stored("default/p2", "default/pd", [50], "cpu")
     rt.precise.stored("default/p1", "default/pd", [60, 61], "GPU")
     assert rt.precise.store_blocks("default/pd") == {*hashes, 40, 41, 50}
 

@@ -156,9 +156,9 @@ def test_precise_pool_is_fed_by_its_writers_and_refined_by_store_events() -> Non
     assert index.store_blocks("ns/s") == {10, 11, 12}
     index.stored("ns/p", "ns/s", [20], "GPU")  # bound 3: the oldest (10) goes
     assert index.store_blocks("ns/s") == {11, 12, 20}
-    index.removed("ns/p", "ns/s", [11], "MOONCAKE")  # the store said block 11 left
+    index.removed("ns/p", "ns/s", [11], "cpu")  # the store said block 11 left
     assert index.match(["ns/q"], "ns/s", [11, 12]) == ([0], [0])
-    index.stored("ns/p", "ns/s", [11], "MOONCAKE")  # the engines speak for the store now
+    index.stored("ns/p", "ns/s", [11], "cpu")  # the engines speak for the store now
     index.stored("ns/p", "ns/s", [30], "GPU")
     assert index.store_blocks("ns/s") == {11, 12, 20}
 

@@ -10,7 +10,7 @@
 - L_p = leading blocks pod p holds itself (GPU, or a local offload medium such as CPU),
         from its KV events (`PrecisePrefixIndex`);
 - R_p = leading blocks pod p holds itself OR finds in the shared store pool of the
-        ModelServer: blocks a pod published with a store medium (e.g. MOONCAKE), and,
+        ModelServer: blocks a pod published with a store medium (`cpu`: Mooncake Store), and,
         when the ModelServer declares a pool (`pool_view.py`) and its engines publish no
         store events, the blocks its prefill pods stored (their connector writes each to
         the store), so they are not blind;

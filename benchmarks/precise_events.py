@@ -28,16 +28,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import orjson
 
 from benchmarks.trace import DEFAULT_TRACE, TraceOptions, trace_window
 from engine_sim.block_hash import hash_prompt_blocks
 from engine_sim.cache_events import CacheEvent
 from engine_sim.kv_events_pub import (
+    LAYOUTS,
     Event,
-    KVEventBatch,
     append_event,
+    encode_batch,
     store_write_events,
     wire_event,
 )
@@ -77,7 +77,9 @@ class Round:
         return self.tokenize + self.decode + self.apply
 
 
-def window_requests(path: Path, window: int, pods: int) -> tuple[list[Request], int]:
+def window_requests(
+    path: Path, window: int, pods: int, layout: str = "map"
+) -> tuple[list[Request], int]:
     """The window's requests with their event batches, and the blocks the events name."""
     options = TraceOptions(0, window, 0.4, 0.25, 16)
     specs = trace_window(path, options, "bench-model").specs
@@ -105,7 +107,7 @@ def window_requests(path: Path, window: int, pods: int) -> tuple[list[Request], 
         blocks += sum(len(getattr(event, "block_hashes", ())) for batch in batches
                       for event in batch)
         requests.append(Request(body, [
-            (pod, msgspec.msgpack.encode(KVEventBatch(0.0, batch, None)))
+            (pod, encode_batch(0.0, batch, None, layout))
             for batch in batches
         ]))
     return requests, blocks
@@ -155,14 +157,16 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=800)
     parser.add_argument("--pods", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--layout", choices=LAYOUTS, default="map",
+                        help="event batches as vLLM writes them now (map) or before (array)")
     args = parser.parse_args()
     if not args.trace.exists():
         raise SystemExit(f"no trace at {args.trace}: pass --trace PATH")
-    requests, blocks = window_requests(args.trace, args.window, args.pods)
+    requests, blocks = window_requests(args.trace, args.window, args.pods, args.layout)
     best = min((replay(requests, args.pods) for _ in range(args.rounds)),
                key=lambda r: r.total)
     events = best.decode + best.apply
-    print(f"{args.trace.stem}, {len(requests)} requests: tokenize and hash "
+    print(f"{args.trace.stem}, {len(requests)} requests, {args.layout} batches: tokenize and hash "
           f"{best.tokenize:.3f} s (walked {best.walked_tokens} prompt tokens, encoded "
           f"{best.encoded_tokens}); KV events {events:.3f} s (decode {best.decode:.3f} + "
           f"apply {best.apply:.3f}) for {blocks} blocks named, "

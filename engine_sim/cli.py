@@ -179,6 +179,13 @@ def build_parser() -> argparse.ArgumentParser:
         f"(default: {DEFAULT_EVENTS_PORT}, skipped with a warning if taken)",
     )
     add(
+        "--kv-events-layout",
+        choices=("map", "array"),
+        default="map",
+        help="KV event batches as maps (vLLM since vllm#42892; default) or positional "
+        "arrays (the releases before)",
+    )
+    add(
         "--kv-events-replay-port",
         type=int,
         help="KV events replay (ZMQ ROUTER) port; 0: no replay "
@@ -339,6 +346,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[SimConfig, argparse.Namespace]:
         kv_wait_timeout_s=args.kv_wait_timeout,
         kv_events_port=args.kv_events_port,
         kv_events_replay_port=args.kv_events_replay_port,
+        kv_events_layout=args.kv_events_layout,
         store_prefix_cache=args.store_prefix_cache,
         store_load_per_token_s=(
             0.0 if args.fast

@@ -48,6 +48,7 @@ class SimConfig:
     # vLLM KV events (engine_sim.kv_events_pub). None: 5557 / 5558, best effort; 0: off.
     kv_events_port: int | None = None
     kv_events_replay_port: int | None = None
+    kv_events_layout: str = "map"  # vLLM's since vllm#42892; "array": the releases before
     # Prefix reuse through the store (vLLM with a Mooncake Store connector): prefill reads
     # the leading blocks its own cache lacks from the store, at the latency model's KV
     # transfer cost (bytes per token / bandwidth), or this fixed cost per token if set.

@@ -1,7 +1,10 @@
 """KV events as vLLM publishes them, so a router can keep an exact index of each pod's cache.
 
-Wire format (vLLM `vllm/distributed/kv_events.py`, `ZmqEventPublisher`; the array-encoded
-structs of the vLLM releases that router decoders were written against):
+Wire format (vLLM `vllm/distributed/kv_events.py`, `ZmqEventPublisher`). Since vllm#42892
+vLLM writes batches and events as maps (`{"ts", "events", "data_parallel_rank"}`, each event
+`{"type": "BlockStored", "block_hashes": ..., ...}`, fields at their default left out):
+that is the default (`--kv-events-layout map`); `array` writes the array-encoded structs of
+the releases before, which router decoders were first written against:
 
 - a ZMQ PUB socket bound on `tcp://<--host>:<--kv-events-port>` (default 5557) sends one
   multipart message per batch: `[topic, seq as 8-byte big-endian, msgpack KVEventBatch]`;
@@ -130,6 +133,55 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 
 
 Event = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class _MapEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """The same events as vLLM writes them since vllm#42892: maps, the tag under "type"."""
+
+
+class _MapStored(_MapEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class _MapRemoved(_MapEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class _MapCleared(_MapEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class _MapBatch(msgspec.Struct, omit_defaults=True, gc=False):
+    ts: float
+    events: list[_MapStored | _MapRemoved | _MapCleared]
+    data_parallel_rank: int | None = None
+
+
+_MAP_OF: Final[dict[type, type[_MapEvent]]] = {
+    BlockStored: _MapStored, BlockRemoved: _MapRemoved, AllBlocksCleared: _MapCleared,
+}
+#: `--kv-events-layout`: how batches are written (`map`: vLLM since vllm#42892).
+LAYOUTS: Final = ("map", "array")
+
+
+def encode_batch(ts: float, events: list[Event], rank: int | None, layout: str = "map") -> bytes:
+    """One KVEventBatch's msgpack bytes, as vLLM writes it in `layout`."""
+    if layout == "array":
+        return _encoder.encode(KVEventBatch(ts, events, rank))
+    as_maps = [_MAP_OF[type(e)](*msgspec.structs.astuple(e)) for e in events]
+    return _encoder.encode(_MapBatch(ts, as_maps, rank))  # type: ignore[arg-type]
 _encoder = msgspec.msgpack.Encoder()
 FULL_ATTENTION: Final = "full_attention"
 
@@ -249,7 +301,11 @@ class KVEventPublisher:
         buffer_steps: int = DEFAULT_BUFFER_STEPS,
         hwm: int = DEFAULT_HWM,
         max_queued: int = MAX_QUEUED_BATCHES,
+        layout: str = "map",
     ) -> None:
+        if layout not in LAYOUTS:
+            raise ValueError(f"kv events layout must be one of {LAYOUTS}, not {layout!r}")
+        self.layout = layout
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.stats = PublisherStats()
@@ -341,7 +397,7 @@ class KVEventPublisher:
         events, self._pending = self._pending, []
         seq = next(self._seq)
         self.last_seq = seq
-        payload = _encoder.encode(KVEventBatch(time.time(), events, self._dp_rank))
+        payload = encode_batch(time.time(), events, self._dp_rank, self.layout)
         try:
             self._tx.send_multipart((seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
         except zmq.Again:
@@ -454,7 +510,7 @@ def start_kv_events(config: SimConfig) -> KVEventPublisher | None:
     endpoint = tcp_endpoint(config.host, port)
     replay = tcp_endpoint(config.host, replay_port) if replay_port else None
     try:
-        publisher = KVEventPublisher(endpoint, replay)
+        publisher = KVEventPublisher(endpoint, replay, layout=config.kv_events_layout)
     except zmq.ZMQError as exc:
         if explicit or replay_explicit:
             raise KVEventsError(f"kv events cannot bind {endpoint} / {replay}: {exc}") from exc

@@ -89,7 +89,43 @@ class VKVEventBatch(VBatch):
     events: list[VBlockStored | VBlockRemoved | VAllBlocksCleared]
 
 
-_vllm_decoder = msgspec.msgpack.Decoder(type=VKVEventBatch)
+# vLLM since vllm#42892 (vllm/distributed/kv_events.py): the same structs, not array_like.
+class MEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class MBlockStored(MEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class MBlockRemoved(MEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class MAllBlocksCleared(MEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class MKVEventBatch(msgspec.Struct, omit_defaults=True, gc=False):
+    ts: float
+    events: list[MBlockStored | MBlockRemoved | MAllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+_vllm_decoder = msgspec.msgpack.Decoder(type=MKVEventBatch)  # vLLM now
+_vllm_array_decoder = msgspec.msgpack.Decoder(type=VKVEventBatch)  # vLLM before vllm#42892
 
 
 class Rig:
@@ -151,7 +187,9 @@ async def tick() -> None:
     await asyncio.sleep(0)
 
 
-async def test_frames_are_vllms_topic_seq_and_array_batch(rig: Rig) -> None:
+async def test_frames_are_vllms_topic_seq_and_map_batch(rig: Rig) -> None:
+    """vLLM since vllm#42892: a map batch of map events, the tag under "type", fields at
+    their default left out (omit_defaults)."""
     cache = PrefixCache(capacity_blocks=8, block_size=16, on_event=rig.publisher.on_cache_event)
     prompt = tokens(40)
     hashes = hash_prompt_blocks(prompt, 16)
@@ -160,21 +198,48 @@ async def test_frames_are_vllms_topic_seq_and_array_batch(rig: Rig) -> None:
     topic, seq, payload = await rig.recv()
     assert topic == b"" and seq == (0).to_bytes(8, "big")
     raw = msgspec.msgpack.decode(payload)
-    assert isinstance(raw, list) and len(raw) == 3 and raw[2] == 0  # [ts, events, dp_rank]
-    assert abs(raw[0] - time.time()) < 5
-    # msgspec writes every field of an array_like struct (omit_defaults applies to maps).
-    assert raw[1] == [
-        ["BlockStored", hashes, None, list(prompt[:32]), 16, None, "GPU", None, [None, None],
-         0, "full_attention", None]
-    ]
+    assert isinstance(raw, dict) and raw["data_parallel_rank"] == 0
+    assert abs(raw["ts"] - time.time()) < 5
+    assert raw["events"] == [{
+        "type": "BlockStored", "block_hashes": hashes, "parent_block_hash": None,
+        "token_ids": list(prompt[:32]), "block_size": 16, "lora_id": None, "medium": "GPU",
+        "lora_name": None, "extra_keys": [None, None], "group_idx": 0,
+        "kv_cache_spec_kind": "full_attention",
+    }]
     batch = _vllm_decoder.decode(payload)
     event = batch.events[0]
-    assert isinstance(event, VBlockStored)
+    assert isinstance(event, MBlockStored)
     assert event.block_hashes == hashes and event.medium == "GPU"
     assert all(0 <= h < 1 << 64 for h in event.block_hashes)
     assert decode_batch(payload) == [
         Stored(tuple(hashes), "GPU", None, tuple(prompt[:32]), 16, None, (None, None))
     ]
+
+
+async def test_the_array_layout_of_the_releases_before() -> None:
+    rig = Rig(layout="array")
+    try:
+        await asyncio.sleep(0.2)
+        cache = PrefixCache(capacity_blocks=8, block_size=16,
+                            on_event=rig.publisher.on_cache_event)
+        prompt = tokens(40)
+        hashes = hash_prompt_blocks(prompt, 16)
+        cache.acquire(hashes, prompt)
+        await tick()
+        _, _, payload = await rig.recv()
+        raw = msgspec.msgpack.decode(payload)
+        assert isinstance(raw, list) and len(raw) == 3 and raw[2] == 0  # [ts, events, rank]
+        # msgspec writes every field of an array_like struct (omit_defaults is for maps).
+        assert raw[1] == [
+            ["BlockStored", hashes, None, list(prompt[:32]), 16, None, "GPU", None,
+             [None, None], 0, "full_attention", None]
+        ]
+        assert isinstance(_vllm_array_decoder.decode(payload).events[0], VBlockStored)
+        assert decode_batch(payload) == [
+            Stored(tuple(hashes), "GPU", None, tuple(prompt[:32]), 16, None, (None, None))
+        ]
+    finally:
+        rig.close()
 
 
 async def test_one_batch_per_loop_tick_and_sequence_counts_up(rig: Rig) -> None:
@@ -211,7 +276,7 @@ async def test_store_written_blocks_are_published_as_vllms_mooncake_store(rig: R
     _, _, payload = await rig.recv()
     batch = _vllm_decoder.decode(payload)
     runs = [(e.block_hashes, e.parent_block_hash, e.medium, e.token_ids, e.group_idx,
-             e.extra_keys) for e in batch.events if isinstance(e, VBlockStored)]
+             e.extra_keys) for e in batch.events if isinstance(e, MBlockStored)]
     assert runs == [
         ([hashes[0]], None, "cpu", list(prompt[0:16]), 0, None),
         ([hashes[1]], hashes[0], "cpu", list(prompt[16:32]), 0, None),

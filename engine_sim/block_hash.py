@@ -89,15 +89,24 @@ class BlockHashMemo:
         self.hasher = VllmBlockHasher(VllmHashConfig(algo, seed, block_size))
         self.block_size = block_size
         self.max_entries = max_entries
-        self._memo: OrderedDict[tuple[tuple[int, ...], str | None], tuple[int, ...]] = OrderedDict()
+        self._memo: OrderedDict[
+            tuple[tuple[int, ...], str | None, str | None], tuple[int, ...]
+        ] = OrderedDict()
 
-    def hashes(self, token_ids: tuple[int, ...], cache_salt: str | None = None) -> tuple[int, ...]:
-        key = (token_ids, cache_salt)
+    def hashes(
+        self, token_ids: tuple[int, ...], cache_salt: str | None = None,
+        lora_name: str | None = None,
+    ) -> tuple[int, ...]:
+        """The prompt's block hashes; an adapter's name is in every block's (vLLM's
+        `_gen_lora_extra_hash_keys`), so adapters never share cached blocks."""
+        key = (token_ids, cache_salt, lora_name)
         found = self._memo.get(key)
         if found is not None:
             self._memo.move_to_end(key)
             return found
-        computed = tuple(self.hasher.event_hashes(token_ids, cache_salt=cache_salt))
+        computed = tuple(self.hasher.event_hashes(
+            token_ids, cache_salt=cache_salt, lora_name=lora_name
+        ))
         self._memo[key] = computed
         if len(self._memo) > self.max_entries:
             self._memo.popitem(last=False)

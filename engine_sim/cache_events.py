@@ -14,8 +14,10 @@ from dataclasses import dataclass
 class BlockStored:
     """Consecutive blocks of one prompt became cached; `parent_block_hash` precedes the first.
 
-    `first_block` is the index of the first of them in the prompt and `cache_salt` the
-    prompt's salt: together they give each block's extra keys (vLLM salts block 0 only).
+    `first_block` is the index of the first of them in the prompt, `cache_salt` the
+    prompt's salt and `lora_name` its adapter: together they give each block's extra keys
+    (vLLM salts block 0 only, and names the adapter on every block; `lora_id` is the
+    adapter's number, vLLM's deprecated field beside the name).
     """
 
     block_hashes: tuple[int, ...]
@@ -24,6 +26,8 @@ class BlockStored:
     block_size: int
     first_block: int = 0
     cache_salt: str | None = None
+    lora_name: str | None = None
+    lora_id: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

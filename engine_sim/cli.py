@@ -179,6 +179,14 @@ def build_parser() -> argparse.ArgumentParser:
         f"(default: {DEFAULT_EVENTS_PORT}, skipped with a warning if taken)",
     )
     add(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters served besides --model, as vLLM's flag (a request naming one "
+        "gets its own prefix-cache blocks; no weights are read)",
+    )
+    add(
         "--kv-events-layout",
         choices=("map", "array"),
         default="map",
@@ -269,6 +277,14 @@ def _fault_spec(args: argparse.Namespace) -> FaultSpec:
     return spec
 
 
+def _lora_module(spec: str) -> tuple[str, str]:
+    """`NAME=PATH` (vLLM's short form) as (name, path)."""
+    name, sep, path = spec.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"--lora-modules takes NAME=PATH, not {spec!r}")
+    return name, path
+
+
 def parse_config(argv: Sequence[str] | None = None) -> SimConfig:
     """Flags to a `SimConfig` (exits with usage on bad flags)."""
     return _parse(argv)[0]
@@ -289,6 +305,11 @@ def _parse(argv: Sequence[str] | None) -> tuple[SimConfig, argparse.Namespace]:
         parser.error("--bootstrap-port must be a TCP port (0: any free port)")
     if args.kv_bytes_per_token < 0 or args.kv_gbytes_per_s <= 0:
         parser.error("--kv-bytes-per-token must be >= 0 and --kv-gbytes-per-s positive")
+    for spec in args.lora_modules:
+        try:
+            _lora_module(spec)
+        except argparse.ArgumentTypeError as exc:
+            parser.error(str(exc))
     if args.kv_wait_timeout <= 0:
         parser.error("--kv-wait-timeout must be positive")
     for name in ("kv_events_port", "kv_events_replay_port"):
@@ -347,6 +368,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[SimConfig, argparse.Namespace]:
         kv_events_port=args.kv_events_port,
         kv_events_replay_port=args.kv_events_replay_port,
         kv_events_layout=args.kv_events_layout,
+        lora_modules=tuple(_lora_module(spec) for spec in args.lora_modules),
         store_prefix_cache=args.store_prefix_cache,
         store_load_per_token_s=(
             0.0 if args.fast

@@ -49,6 +49,8 @@ class SimConfig:
     kv_events_port: int | None = None
     kv_events_replay_port: int | None = None
     kv_events_layout: str = "map"  # vLLM's since vllm#42892; "array": the releases before
+    # LoRA adapters served besides the model (vLLM `--lora-modules name=path`).
+    lora_modules: tuple[tuple[str, str], ...] = ()
     # Prefix reuse through the store (vLLM with a Mooncake Store connector): prefill reads
     # the leading blocks its own cache lacks from the store, at the latency model's KV
     # transfer cost (bytes per token / bandwidth), or this fixed cost per token if set.

@@ -72,7 +72,8 @@ class Engine:
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer or load_tokenizer(config.tokenizer, config.chat_template)
-        self.limits = Limits(config.model, config.max_model_len, config.default_max_tokens)
+        self.limits = Limits(config.model, config.max_model_len, config.default_max_tokens,
+                             tuple(name for name, _ in config.lora_modules))
         self.block_hashes = BlockHashMemo(
             config.block_size, config.python_hash_seed, config.hash_algo
         )
@@ -175,7 +176,7 @@ class Engine:
         size = config.block_size
         token_ids = request.token_ids
         num_tokens = len(token_ids)
-        hashes = self.block_hashes.hashes(token_ids, request.cache_salt)
+        hashes = self.block_hashes.hashes(token_ids, request.cache_salt, request.lora_name)
         # vLLM always computes at least the last prompt token.
         hit_blocks = min(self.cache.match(hashes), (num_tokens - 1) // size)
         cached_tokens = hit_blocks * size
@@ -220,7 +221,8 @@ class Engine:
 
         # Its new blocks' `BlockStored` go out once the step that fills them is done (vLLM
         # publishes a step's events after the step: `prefix_cache.py`).
-        lease = self.cache.acquire(hashes, token_ids, request.cache_salt, defer_stored=True)
+        lease = self.cache.acquire(hashes, token_ids, request.cache_salt, defer_stored=True,
+                                   lora=request.lora)
         published = PublishCursor(self.cache, lease)
         claim = self.pending.claim(lease.block_hashes, writes_from=hit_blocks)
         total_blocks = -(-(num_tokens + request.max_tokens) // size)

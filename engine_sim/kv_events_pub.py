@@ -18,9 +18,10 @@ the releases before, which router decoders were first written against:
       ["BlockRemoved", block_hashes, medium, group_idx]
       ["AllBlocksCleared"]
   as vLLM's `BlockPool.cache_full_blocks` fills them: `parent_block_hash` None for a
-  prompt's first block, `token_ids` the run's tokens, `lora_*` None (no adapters here),
-  `extra_keys` one entry per block (`("<cache_salt>",)` on a salted prompt's block 0,
-  else None; vllm#33304), `group_idx` 0 and `kv_cache_spec_kind` "full_attention" (the one
+  prompt's first block, `token_ids` the run's tokens, `lora_name` / `lora_id` the
+  request's adapter (`--lora-modules`) or None, `extra_keys` one entry per block (the
+  adapter's name on every block, then `"<cache_salt>"` on a salted prompt's block 0, else
+  None; vllm#33304), `group_idx` 0 and `kv_cache_spec_kind` "full_attention" (the one
   full-attention group; vllm#37688, vllm#40984). Block hashes are vLLM's
   (`engine_sim.block_hash`, i.e. `router.kvhash.vllm`), 64-bit unsigned ints. (vLLM after
   vllm#42892 writes each event as a map with the tag under "type" instead; subscribers
@@ -194,10 +195,13 @@ def block_stored_event(
     medium: str,
     first_block: int,
     cache_salt: str | None,
+    lora_name: str | None = None,
+    lora_id: int | None = None,
 ) -> BlockStored:
     """A `BlockStored` as vLLM fills it for a run of a prompt's blocks (module docstring)."""
     extra = [
-        block_extra_keys(index * block_size, (index + 1) * block_size, cache_salt=cache_salt)
+        block_extra_keys(index * block_size, (index + 1) * block_size, lora_name=lora_name,
+                         cache_salt=cache_salt)
         for index in range(first_block, first_block + len(block_hashes))
     ]
     return BlockStored(
@@ -205,9 +209,9 @@ def block_stored_event(
         parent_block_hash=parent,
         token_ids=list(token_ids),
         block_size=block_size,
-        lora_id=None,
+        lora_id=lora_id,
         medium=medium,
-        lora_name=None,
+        lora_name=lora_name,
         extra_keys=extra,
         group_idx=0,
         kv_cache_spec_kind=FULL_ATTENTION,
@@ -220,6 +224,7 @@ def wire_event(event: CacheEvent) -> Event:
         return block_stored_event(
             event.block_hashes, event.parent_block_hash, event.token_ids,
             event.block_size, MEDIUM_GPU, event.first_block, event.cache_salt,
+            event.lora_name, event.lora_id,
         )
     if isinstance(event, CacheRemoved):
         return BlockRemoved(block_hashes=list(event.block_hashes), medium=MEDIUM_GPU)

@@ -118,12 +118,14 @@ class PrefixCache:
         token_ids: Sequence[int],
         cache_salt: str | None = None,
         defer_stored: bool = False,
+        lora: tuple[str, int] | None = None,
     ) -> CacheLease:
         """Hold a prompt's blocks, caching the missing ones (evicting LRU blocks for room).
 
         Stops at the first block that finds no room: a block without its parent is useless.
-        `token_ids` (the prompt's tokens) and `cache_salt` are used only for `BlockStored`
-        events, sent at once or (`defer_stored`) kept in the lease for `publish`.
+        `token_ids` (the prompt's tokens), `cache_salt` and `lora` (the adapter's name and
+        number) are used only for `BlockStored` events, sent at once or (`defer_stored`)
+        kept in the lease for `publish`.
         """
         held: list[int] = []
         ids: list[int] = []
@@ -149,11 +151,11 @@ class PrefixCache:
                 index + 1 == len(block_hashes) or block_hashes[index + 1] in self._blocks
             ):
                 stored.append(self._stored(block_hashes, token_ids, stored_from, index + 1,
-                                           cache_salt))
+                                           cache_salt, lora=lora))
                 stored_from = None
         if publishing and stored_from is not None:
             stored.append(self._stored(block_hashes, token_ids, stored_from, len(held),
-                                       cache_salt))
+                                       cache_salt, lora=lora))
         lease = CacheLease(tuple(held), tuple(ids), tuple(stored))
         if defer_stored:
             return lease
@@ -180,7 +182,8 @@ class PrefixCache:
             else:
                 self._on_event(self._stored(lease.block_hashes, event.token_ids,
                                             max(first, start), min(last, stop),
-                                            event.cache_salt, offset=first))
+                                            event.cache_salt, offset=first,
+                                            lora=_lora_of(event)))
 
     def release(self, lease: CacheLease) -> None:
         """Drop a request's hold; blocks nobody holds become evictable, tail first."""
@@ -234,6 +237,7 @@ class PrefixCache:
         end: int,
         cache_salt: str | None,
         offset: int = 0,
+        lora: tuple[str, int] | None = None,
     ) -> BlockStored:
         """Blocks `start`..`end` of a prompt; `token_ids` begin at block `offset`."""
         size = self.block_size
@@ -244,4 +248,12 @@ class PrefixCache:
             block_size=size,
             first_block=start,
             cache_salt=cache_salt,
+            lora_name=None if lora is None else lora[0],
+            lora_id=None if lora is None else lora[1],
         )
+
+
+def _lora_of(event: BlockStored) -> tuple[str, int] | None:
+    if event.lora_name is None or event.lora_id is None:
+        return None
+    return event.lora_name, event.lora_id

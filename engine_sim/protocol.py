@@ -36,6 +36,17 @@ class Limits:
     model: str
     max_model_len: int
     default_max_tokens: int
+    #: LoRA adapters served besides the model (`--lora-modules`), numbered from 1 in order.
+    lora_names: tuple[str, ...] = ()
+
+    def serves(self, model: str) -> bool:
+        return model == self.model or model in self.lora_names
+
+    def lora(self, model: str) -> tuple[str, int] | None:
+        """The adapter `model` names, with its number (vLLM's `lora_int_id`), or None."""
+        if model == self.model or model not in self.lora_names:
+            return None
+        return model, self.lora_names.index(model) + 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +62,12 @@ class ParsedRequest:
     priority: int
     kv_transfer_params: Any
     body: Mapping[str, Any] = field(repr=False)
+    #: The adapter the request names (name, number), as vLLM's `LoRARequest`.
+    lora: tuple[str, int] | None = None
+
+    @property
+    def lora_name(self) -> str | None:
+        return None if self.lora is None else self.lora[0]
 
 
 def _optional_int(body: Mapping[str, Any], name: str, minimum: int) -> int | None:
@@ -93,7 +110,7 @@ def parse_request(
     model = body.get("model")
     if model is None:
         model = limits.model
-    elif model != limits.model:
+    elif not (isinstance(model, str) and limits.serves(model)):
         raise RequestError(
             f"The model `{model}` does not exist.", 404, "NotFoundError", param="model"
         )
@@ -144,4 +161,5 @@ def parse_request(
         priority=priority if isinstance(priority, int) else 0,
         kv_transfer_params=body.get("kv_transfer_params"),
         body=body,
+        lora=limits.lora(model),
     )

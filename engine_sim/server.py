@@ -463,28 +463,35 @@ class SimServer:
 
     def _check_model(self, body: dict[str, Any]) -> None:
         model = body.get("model")
-        if model is not None and model != self.engine.limits.model:
+        if model is not None and not (
+            isinstance(model, str) and self.engine.limits.serves(model)
+        ):
             raise RequestError(
                 f"The model `{model}` does not exist.", 404, "NotFoundError", param="model"
             )
 
     async def models(self, request: web.Request) -> web.Response:
+        """The model and its LoRA adapters, as vLLM lists them (an adapter's `root` is its
+        path, its `parent` the base model)."""
         model = self.engine.config.model
+        cards = [(model, model, None)] + [
+            (name, path, model) for name, path in self.engine.config.lora_modules
+        ]
         return _json(
             {
                 "object": "list",
                 "data": [
                     {
-                        "id": model,
+                        "id": card_id,
                         "object": "model",
                         "created": self._created,
                         "owned_by": "vllm",
-                        "root": model,
-                        "parent": None,
+                        "root": root,
+                        "parent": parent,
                         "max_model_len": self.engine.limits.max_model_len,
                         "permission": [
                             {
-                                "id": f"modelperm-{model}",
+                                "id": f"modelperm-{card_id}",
                                 "object": "model_permission",
                                 "created": self._created,
                                 "allow_create_engine": False,
@@ -499,6 +506,7 @@ class SimServer:
                             }
                         ],
                     }
+                    for card_id, root, parent in cards
                 ],
             }
         )

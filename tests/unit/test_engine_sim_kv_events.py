@@ -445,7 +445,8 @@ async def test_sim_pod_publishes_serves_cache_and_cache_config_info(
 def _engine(publisher: KVEventPublisher | None, store: MemoryKVStore, **changes: Any) -> Engine:
     # The stand-in tokenizer: one token per word and per space, so block counts are exact.
     changes.setdefault("latency", LatencyModel.fast())
-    config = SimConfig(role="prefill", model="m", port=0, host=HOST, tokenizer=STAND_IN,
+    changes.setdefault("role", "prefill")
+    config = SimConfig(model="m", port=0, host=HOST, tokenizer=STAND_IN,
                        python_hash_seed="0", **changes)
     engine = Engine(config, store, publisher.on_cache_event if publisher else None)
     engine.kv_events = publisher
@@ -459,6 +460,39 @@ async def _prefill(engine: Engine, prompt: str) -> int:
     plan = parse_kv_transfer_params({"do_remote_decode": True, "do_remote_prefill": False})
     async with engine.run(parsed, "req", plan, time.perf_counter()) as generation:
         return generation.cached_tokens
+
+
+async def test_an_adapters_blocks_are_its_own_and_say_so(rig: Rig) -> None:
+    """`--lora-modules`: a request naming the adapter hashes its blocks with the adapter's
+    name (vLLM's `_gen_lora_extra_hash_keys`), so it reuses none of the base model's, and
+    its `BlockStored` names the adapter and carries it in every block's extra keys."""
+    engine = _engine(rig.publisher, MemoryKVStore(), role="both",
+                     lora_modules=(("sql-lora", "/adapters/sql"),))
+    prompt = "one two three four " * 8  # 64 tokens: 4 full blocks
+
+    async def run(model: str) -> int:
+        parsed = parse_request({"model": model, "prompt": prompt, "max_tokens": 1},
+                               "completion", engine.tokenizer, engine.limits)
+        plan = parse_kv_transfer_params(None)
+        async with engine.run(parsed, "req", plan, time.perf_counter()) as generation:
+            return generation.cached_tokens
+
+    assert await run("m") == 0
+    assert await run("sql-lora") == 0  # the base model's blocks are not the adapter's
+    assert await run("sql-lora") == 48  # its own are (vLLM recomputes the last token)
+    await tick()
+    events: list[Any] = []
+    while len([e for e in events if isinstance(e, Stored)]) < 2:
+        events.extend(decode_batch((await rig.recv())[2]))
+    ids = engine.tokenizer.request_ids("completion", {"prompt": prompt})[0]
+    base, adapter = (e for e in events if isinstance(e, Stored))
+    assert base.lora_name is None and base.extra_keys == (None,) * 4
+    assert adapter.lora_name == "sql-lora" and adapter.extra_keys == (["sql-lora"],) * 4
+    assert adapter.block_hashes == tuple(engine.block_hashes.hashes(ids, None, "sql-lora"))
+    assert not set(adapter.block_hashes) & set(base.block_hashes)
+    with pytest.raises(Exception, match="does not exist"):
+        parse_request({"model": "other-lora", "prompt": prompt}, "completion",
+                      engine.tokenizer, engine.limits)
 
 
 async def test_engine_publishes_store_writes_as_vllms_mooncake_store(rig: Rig) -> None:

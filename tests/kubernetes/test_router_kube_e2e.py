@@ -31,6 +31,7 @@ from tests.sim_tokens import chat_ids
 
 MODEL = "deepseek_v4"
 SERVER = "deepseekv4-pd"
+ADAPTER = "deepseek-lora"
 NET = loopback_net()
 PODS = {  # name: (ip, role, group)
     "pd-g0-prefill": (f"{NET}.71", "prefill", "g0"),
@@ -65,7 +66,10 @@ def sim_pods(mooncake_master: object, tmp_path_factory: pytest.TempPathFactory) 
     specs = [SimPodSpec(name, ip, role, group) for name, (ip, role, group) in PODS.items()]
     try:
         for spec in specs:
-            sim.start_pod(spec, port, MODEL, ["--itl-ms", "3"])
+            # The engines serve the LoRA adapter a test adds to the route (as vLLM would
+            # have to: the router sends an adapter's requests by the adapter's name).
+            sim.start_pod(spec, port, MODEL,
+                          ["--itl-ms", "3", "--lora-modules", f"{ADAPTER}=/adapters/{ADAPTER}"])
         sim.wait_pods(port, specs)
         yield port
     finally:
@@ -165,12 +169,10 @@ async def test_model_route_edit_mid_stream(cluster: KubeCluster) -> None:
         if not edited and len(pieces) == 3:
             edited = True
             route = model_route("deepseek-v4", MODEL, [SERVER])
-            route["spec"]["loraAdapters"] = ["deepseek-lora"]
+            route["spec"]["loraAdapters"] = [ADAPTER]
             cluster.api.update(route)
     assert "".join(pieces) == expected_text(chat_ids(messages), 120, kv_from_store=True,
                                             model=MODEL)
-    await wait_until(lambda: "deepseek-lora" in cluster.state.view.snapshot.routes_by_model)
-    answer = await client.chat.completions.create(
-        model="deepseek-lora", messages=messages, max_tokens=2
-    )
-    assert answer.choices[0].message.content
+    await wait_until(lambda: ADAPTER in cluster.state.view.snapshot.routes_by_model)
+    answer = await client.chat.completions.create(model=ADAPTER, messages=messages, max_tokens=2)
+    assert answer.choices[0].message.content and answer.model == ADAPTER

@@ -136,43 +136,24 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 Event = BlockStored | BlockRemoved | AllBlocksCleared
 
 
-class _MapEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    """The same events as vLLM writes them since vllm#42892: maps, the tag under "type"."""
-
-
-class _MapStored(_MapEvent, tag="BlockStored"):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[Any] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-
-
-class _MapRemoved(_MapEvent, tag="BlockRemoved"):
-    block_hashes: list[int]
-    medium: str | None
-    group_idx: int | None = None
-
-
-class _MapCleared(_MapEvent, tag="AllBlocksCleared"):
-    pass
+def _map_twin(cls: type[msgspec.Struct]) -> type[msgspec.Struct]:
+    """`cls` as vLLM writes it since vllm#42892: the same fields and tag, as a map (fields
+    at their default left out) instead of a positional array."""
+    fields = [
+        (f.name, f.type) if f.required else (f.name, f.type, f.default)
+        for f in msgspec.structs.fields(cls)
+    ]
+    return msgspec.defstruct(cls.__name__, fields, tag=cls.__name__, omit_defaults=True,
+                             gc=False)
 
 
 class _MapBatch(msgspec.Struct, omit_defaults=True, gc=False):
     ts: float
-    events: list[_MapStored | _MapRemoved | _MapCleared]
+    events: list[Any]
     data_parallel_rank: int | None = None
 
 
-_MAP_OF: Final[dict[type, type[_MapEvent]]] = {
-    BlockStored: _MapStored, BlockRemoved: _MapRemoved, AllBlocksCleared: _MapCleared,
-}
+_MAP_OF: Final = {cls: _map_twin(cls) for cls in (BlockStored, BlockRemoved, AllBlocksCleared)}
 #: `--kv-events-layout`: how batches are written (`map`: vLLM since vllm#42892).
 LAYOUTS: Final = ("map", "array")
 
@@ -182,7 +163,7 @@ def encode_batch(ts: float, events: list[Event], rank: int | None, layout: str =
     if layout == "array":
         return _encoder.encode(KVEventBatch(ts, events, rank))
     as_maps = [_MAP_OF[type(e)](*msgspec.structs.astuple(e)) for e in events]
-    return _encoder.encode(_MapBatch(ts, as_maps, rank))  # type: ignore[arg-type]
+    return _encoder.encode(_MapBatch(ts, as_maps, rank))
 _encoder = msgspec.msgpack.Encoder()
 FULL_ATTENTION: Final = "full_attention"
 

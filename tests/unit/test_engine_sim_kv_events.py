@@ -45,87 +45,14 @@ from router.scheduling.metrics import SchedulerMetrics
 from router.scheduling.precise_index import PrecisePrefixIndex
 from tests.conftest import SimPod
 from tests.polling import eventually
+from tests.vllm_kv_events import ArrayBlockStored, MapBlockStored, array_decoder, map_decoder
 
 HOST = "127.0.0.1"
 
-# -- vLLM's structs, as its example subscriber (examples/online_serving/kv_events_subscriber.py)
-# declares them: decoding with these proves the payload is what vLLM consumers expect.
-
-
-class VBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class VEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class VBlockStored(VEvent, tag="BlockStored"):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None = None
-    extra_keys: list[Any] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-
-
-class VBlockRemoved(VEvent, tag="BlockRemoved"):
-    block_hashes: list[int]
-    medium: str | None
-
-
-class VAllBlocksCleared(VEvent, tag="AllBlocksCleared"):
-    pass
-
-
-class VKVEventBatch(VBatch):
-    events: list[VBlockStored | VBlockRemoved | VAllBlocksCleared]
-
-
-# vLLM since vllm#42892 (vllm/distributed/kv_events.py): the same structs, not array_like.
-class MEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class MBlockStored(MEvent, tag="BlockStored"):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[Any] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-
-
-class MBlockRemoved(MEvent, tag="BlockRemoved"):
-    block_hashes: list[int]
-    medium: str | None
-    group_idx: int | None = None
-
-
-class MAllBlocksCleared(MEvent, tag="AllBlocksCleared"):
-    pass
-
-
-class MKVEventBatch(msgspec.Struct, omit_defaults=True, gc=False):
-    ts: float
-    events: list[MBlockStored | MBlockRemoved | MAllBlocksCleared]
-    data_parallel_rank: int | None = None
-
-
-_vllm_decoder = msgspec.msgpack.Decoder(type=MKVEventBatch)  # vLLM now
-_vllm_array_decoder = msgspec.msgpack.Decoder(type=VKVEventBatch)  # vLLM before vllm#42892
+#: vLLM's structs (tests/vllm_kv_events.py): decoding with these proves the payload is
+#: what vLLM consumers expect.
+_vllm_decoder = map_decoder  # vLLM now
+_vllm_array_decoder = array_decoder  # vLLM before vllm#42892
 
 
 class Rig:
@@ -208,7 +135,7 @@ async def test_frames_are_vllms_topic_seq_and_map_batch(rig: Rig) -> None:
     }]
     batch = _vllm_decoder.decode(payload)
     event = batch.events[0]
-    assert isinstance(event, MBlockStored)
+    assert isinstance(event, MapBlockStored)
     assert event.block_hashes == hashes and event.medium == "GPU"
     assert all(0 <= h < 1 << 64 for h in event.block_hashes)
     assert decode_batch(payload) == [
@@ -234,7 +161,7 @@ async def test_the_array_layout_of_the_releases_before() -> None:
             ["BlockStored", hashes, None, list(prompt[:32]), 16, None, "GPU", None,
              [None, None], 0, "full_attention", None]
         ]
-        assert isinstance(_vllm_array_decoder.decode(payload).events[0], VBlockStored)
+        assert isinstance(_vllm_array_decoder.decode(payload).events[0], ArrayBlockStored)
         assert decode_batch(payload) == [
             Stored(tuple(hashes), "GPU", None, tuple(prompt[:32]), 16, None, (None, None))
         ]
@@ -276,7 +203,7 @@ async def test_store_written_blocks_are_published_as_vllms_mooncake_store(rig: R
     _, _, payload = await rig.recv()
     batch = _vllm_decoder.decode(payload)
     runs = [(e.block_hashes, e.parent_block_hash, e.medium, e.token_ids, e.group_idx,
-             e.extra_keys) for e in batch.events if isinstance(e, MBlockStored)]
+             e.extra_keys) for e in batch.events if isinstance(e, MapBlockStored)]
     assert runs == [
         ([hashes[0]], None, "cpu", list(prompt[0:16]), 0, None),
         ([hashes[1]], hashes[0], "cpu", list(prompt[16:32]), 0, None),

@@ -34,75 +34,16 @@ from router.scheduling.metrics import SchedulerMetrics
 from router.scheduling.precise_index import PrecisePrefixIndex
 from router.view import Endpoint, PDGroupPods, ServerPods, Snapshot
 from tests.polling import eventually
-
-# -- vLLM's structs, as `vllm/distributed/kv_events.py` declares them -------------------------
-# Older vLLM: array_like=True (positional arrays). Newer vLLM (vllm#42892): maps.
-
-
-class ArrayBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class ArrayEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class BlockStored(ArrayEvent, tag="BlockStored"):
-    block_hashes: list[int | bytes]
-    parent_block_hash: int | bytes | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None = None
-    extra_keys: list[Any] | None = None
-    group_idx: int | None = None
-
-
-class BlockRemoved(ArrayEvent, tag="BlockRemoved"):
-    block_hashes: list[int | bytes]
-    medium: str | None
-    group_idx: int | None = None
-
-
-class AllBlocksCleared(ArrayEvent, tag="AllBlocksCleared"):
-    pass
-
-
-class MapBatch(msgspec.Struct, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class MapEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class MapBlockStored(MapEvent, tag="BlockStored"):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[Any] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-
-
-class MapBlockRemoved(MapEvent, tag="BlockRemoved"):
-    block_hashes: list[int]
-    medium: str | None
-    group_idx: int | None = None
-
-
-class MapAllBlocksCleared(MapEvent, tag="AllBlocksCleared"):
-    pass
-
+from tests.vllm_kv_events import ArrayAllBlocksCleared as AllBlocksCleared
+from tests.vllm_kv_events import (
+    ArrayBatch,
+    MapAllBlocksCleared,
+    MapBatch,
+    MapBlockRemoved,
+    MapBlockStored,
+)
+from tests.vllm_kv_events import ArrayBlockRemoved as BlockRemoved
+from tests.vllm_kv_events import ArrayBlockStored as BlockStored
 
 _encoder = msgspec.msgpack.Encoder()
 

@@ -187,6 +187,11 @@ class PodEventStream:
             self._metrics.kv_event_errors.inc()
             log.warning("kv events from %s: undecodable batch: %s", self.target.key, exc)
         else:
+            groups = self._groups
+            if groups.switched:  # another group is the full-attention one: start over
+                groups.switched = False
+                groups.kept = False
+                self._index.cleared(self.target.key)
             apply_events(self._index, self.target.key, self.target.scope, events)
             self.batches += 1
             self._metrics.kv_event_batches.inc()
@@ -194,6 +199,8 @@ class PodEventStream:
 
     def _clear(self, how: str) -> None:
         self._index.cleared(self.target.key)
+        if how == "restart":  # a new engine process: its groups are learnt again
+            self._groups = GroupChoice()
         self._metrics.kv_event_resyncs.labels(how=how).inc()
 
     async def handle(self, seq: int, payload: bytes) -> None:

@@ -21,9 +21,12 @@ KV cache groups. A hybrid model (sliding-window or Mamba layers beside full atte
 has a group per kind of layer, numbered in layer order, and a block is cached per group.
 A prompt's prefix hit is bounded by the full-attention group (the others keep a window or
 a state), so that is the group indexed: each stream's `GroupChoice` learns the groups'
-kinds from their `BlockStored`s (`kv_cache_spec_kind`, vllm#40984) and keeps the lowest
-group of a full-attention kind; a `BlockRemoved` names only its group. Without kinds
-(older vLLM, one group) group 0 (`group_idx` absent, None or 0) is indexed.
+kinds from their `BlockStored`s (`kv_cache_spec_kind`, vllm#40984; a whole batch is read
+for kinds before any of its events is kept) and keeps the lowest group of a
+full-attention kind; a `BlockRemoved` names only its group. Until a full-attention group
+is known (older vLLM without kinds, one group, or one vLLM calls "unknown"), group 0
+(`group_idx` absent, None or 0) is indexed; should the choice move off a group already
+indexed, `switched` tells the stream to clear the pod's entries first.
 
 Measured on batches of 60-block prefills (GPU store, store write, eviction): the typed
 path decodes 1.4-2x faster than the generic one.
@@ -82,29 +85,33 @@ class GroupChoice:
     """Which KV cache group of one engine's stream is indexed (module docstring).
 
     `group`: the chosen group, None until a `BlockStored` of a full-attention kind is
-    seen (until then group 0 is kept, unless its kind is known to be another)."""
+    seen (until then group 0 is kept). `switched`: the choice moved off a group whose
+    events were kept (the stream clears the pod's entries and resets it)."""
 
-    __slots__ = ("group", "kinds")
+    __slots__ = ("group", "kept", "kinds", "switched")
 
     def __init__(self) -> None:
         self.group: int | None = None
         self.kinds: dict[int, str] = {}
+        self.kept = False  # some event was kept under the current choice
+        self.switched = False
 
-    def keep_stored(self, group: int | None, kind: str | None) -> bool:
+    def learn(self, group: int | None, kind: str | None) -> None:
+        """A `BlockStored`'s group and kind (read for a whole batch before its events)."""
         index = group or 0
-        if kind is not None and index not in self.kinds and len(self.kinds) < 64:
-            self.kinds[index] = kind
-            if kind in FULL_PREFIX_KINDS and (self.group is None or index < self.group):
-                self.group = index
-        return self.keep_removed(group)
+        if kind is None or index in self.kinds or len(self.kinds) >= 64:
+            return
+        self.kinds[index] = kind
+        if kind in FULL_PREFIX_KINDS and (self.group is None or index < self.group):
+            if self.kept and index != (self.group or 0):
+                self.switched = True
+            self.group = index
 
-    def keep_removed(self, group: int | None) -> bool:
-        index = group or 0
-        chosen = self.group
-        if chosen is not None:
-            return index == chosen
-        kind = self.kinds.get(index)
-        return index == 0 and (kind is None or kind in FULL_PREFIX_KINDS)
+    def keep(self, group: int | None) -> bool:
+        """Whether an event of `group` is indexed."""
+        kept = (group or 0) == (self.group or 0)
+        self.kept = self.kept or kept
+        return kept
 
 
 # -- the typed decoders: vLLM's array layout, and its map layout -----------------------------
@@ -227,6 +234,7 @@ class _Runs:
             and (tokens is None) == (run[3] is None)
             and (extra is None) == (run[6] is None)
             and (tokens is None or (size is not None and len(tokens) == size))
+            and (extra is None or len(extra) == 1)
         ):
             run[0].append(hashes[0])
             if tokens is not None:
@@ -235,7 +243,11 @@ class _Runs:
                 run[6].extend(extra)
             return
         self.close()
-        if len(hashes) == 1 and (tokens is None or (size is not None and len(tokens) == size)):
+        if (
+            len(hashes) == 1
+            and (tokens is None or (size is not None and len(tokens) == size))
+            and (extra is None or len(extra) == 1)
+        ):
             self.run = [
                 list(hashes), medium, parent, None if tokens is None else list(tokens), size,
                 lora, None if extra is None else list(extra),
@@ -301,13 +313,7 @@ def _decode_event(raw: Any, groups: GroupChoice, runs: _Runs) -> None:
     else:
         return  # a newer event kind: not ours to interpret
     group = _field(raw, "group_idx", positions)
-    if not isinstance(group, int | None):
-        return
-    if tag == "BlockStored":
-        kind = _field(raw, "kv_cache_spec_kind", positions)
-        if not groups.keep_stored(group, kind if isinstance(kind, str) else None):
-            return
-    elif not groups.keep_removed(group):
+    if not isinstance(group, int | None) or not groups.keep(group):
         return
     hashes = _field(raw, "block_hashes", positions)
     if not isinstance(hashes, list):
@@ -360,10 +366,13 @@ def _decode_typed(payload: bytes, groups: GroupChoice | None = None) -> list[KVE
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None
     groups = groups or GroupChoice()
+    for raw in batch.events:  # the batch's kinds first: its events are kept by all of them
+        if isinstance(raw, _STORED_TYPES) and raw.kv_cache_spec_kind is not None:
+            groups.learn(raw.group_idx, raw.kv_cache_spec_kind)
     runs = _Runs()
     for raw in batch.events:
         if isinstance(raw, _STORED_TYPES):
-            if not groups.keep_stored(raw.group_idx, raw.kv_cache_spec_kind):
+            if not groups.keep(raw.group_idx):
                 continue
             parent = raw.parent_block_hash
             runs.stored(
@@ -372,7 +381,7 @@ def _decode_typed(payload: bytes, groups: GroupChoice | None = None) -> list[KVE
                 raw.block_size, raw.lora_name, raw.extra_keys,
             )  # fmt: skip
         elif isinstance(raw, _REMOVED_TYPES):
-            if groups.keep_removed(raw.group_idx):
+            if groups.keep(raw.group_idx):
                 runs.other(Removed(tuple(_int_hashes(raw.block_hashes)), raw.medium))
         else:
             runs.other(Cleared())
@@ -402,10 +411,23 @@ def _decode_generic(payload: bytes, groups: GroupChoice | None = None) -> list[K
     if not isinstance(events, list):
         raise DecodeError("batch events is not a list")
     groups = groups or GroupChoice()
+    for raw in events:  # the batch's kinds first, as the typed path reads them
+        _learn_kind(raw, groups)
     runs = _Runs()
     for raw in events:
         _decode_event(raw, groups, runs)
     return runs.events()
+
+
+def _learn_kind(raw: Any, groups: GroupChoice) -> None:
+    stored = (isinstance(raw, dict) and raw.get("type") == "BlockStored") or (
+        isinstance(raw, list | tuple) and bool(raw) and raw[0] == "BlockStored"
+    )
+    if stored:
+        group = _field(raw, "group_idx", _STORED_FIELDS)
+        kind = _field(raw, "kv_cache_spec_kind", _STORED_FIELDS)
+        if isinstance(group, int | None) and isinstance(kind, str):
+            groups.learn(group, kind)
 
 
 def apply_events(

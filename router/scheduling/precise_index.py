@@ -174,25 +174,43 @@ class PrecisePrefixIndex:
         extra_keys: Sequence[Any] | None,
         lora_name: str | None,
     ) -> tuple[Sequence[int] | None, bool]:
-        """(index keys of a stored run, whether they are router keys), keys None if none."""
+        """(index keys of a stored run, whether they are router keys): keys None if none
+        could be made, fewer than `hashes` when only its leading blocks could."""
         space = self._spaces.get(scope)
         if space is not None and block_size is not None and block_size != space.block_size:
             return None, False
         if space is None or space.mode == "hashes":
             return hashes, False
+        # The leading blocks the pod keyed already keep their keys (a store write follows
+        # the GPU store of the same blocks, and vLLM's store events carry neither the
+        # salt nor the adapter: the same engine hash on the same pod is the same key); the
+        # rest are chained from the last of them, as one event a block would be.
+        known: list[int] = []
         blocks = self._pods.get(key)
         if blocks is not None and key in self._translated:
-            # The pod keyed these blocks already (a store write follows the GPU store of
-            # the same blocks): the same engine hash on the same pod is the same key.
-            entries = [blocks.get(engine_hash) for engine_hash in hashes]
-            if None not in entries:
-                return [entry >> MEDIA_SHIFT for entry in entries], True  # type: ignore[operator]
-        if not token_ids:  # vLLM's store writes may carry none (`[]`): nothing to key by
-            return None, True
-        parent_key = TOKENS_ROOT if parent is None else self._router_key(key, scope, parent)
-        if parent_key is None:
-            return None, True
-        return space.event_keys(parent_key, token_ids, len(hashes), extra_keys, lora_name), True
+            for engine_hash in hashes:
+                entry = blocks.get(engine_hash)
+                if entry is None:
+                    break
+                known.append(entry >> MEDIA_SHIFT)
+        done = len(known)
+        if done == len(hashes):
+            return known, True
+        parent_key = (
+            known[-1] if known
+            else TOKENS_ROOT if parent is None
+            else self._router_key(key, scope, parent)
+        )
+        rest = None
+        if token_ids and parent_key is not None:  # vLLM's store writes may carry none (`[]`)
+            size = space.block_size
+            rest = space.event_keys(
+                parent_key, token_ids[done * size:], len(hashes) - done,
+                None if extra_keys is None else extra_keys[done:], lora_name,
+            )
+        if rest is None:
+            return (known or None), True  # the leading blocks known, if any
+        return known + rest, True
 
     # -- events ---------------------------------------------------------------------------
 
@@ -216,6 +234,9 @@ class PrecisePrefixIndex:
         if keys is None:
             self.unkeyed_blocks += len(hashes)
             return
+        if len(keys) < len(hashes):  # only a leading part could be keyed
+            self.unkeyed_blocks += len(hashes) - len(keys)
+            hashes = hashes[: len(keys)]
         if self.is_store_medium(medium):
             self._store_fed.add(scope)
             self._store_pool(scope, hashes, keys, translated)

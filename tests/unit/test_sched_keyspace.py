@@ -203,6 +203,30 @@ def test_vllms_store_writes_one_block_an_event_key_as_the_pods_blocks() -> None:
     assert index.unkeyed_blocks == 1 and index.store_blocks(SCOPE) == set(expected)
 
 
+def test_a_store_run_over_a_pods_partly_evicted_blocks_keys_as_block_by_block() -> None:
+    """vLLM's store events carry no salt: a run of them (merged by the decoder) keeps the
+    keys the pod's own GPU events gave its leading blocks and chains the rest from them, so
+    a salted prompt's blocks stay salted when one of them left the pod's GPU cache."""
+    space = KeySpace.of("tokens")
+    tokens = list(range(3000, 3000 + BS * 4))
+    expected = space.chain(tokens, cache_salt="s")
+    pooled = []
+    for merged in (True, False):
+        index = PrecisePrefixIndex()
+        index.set_spaces({SCOPE: space})
+        index.stored("p", SCOPE, [1, 2, 3, 4], "GPU", token_ids=tokens, block_size=BS,
+                     extra_keys=[("s",), None, None, None])
+        index.removed("p", SCOPE, [3, 4], "GPU")  # blocks 3 and 4 left the GPU cache
+        store = [[i] for i in (1, 2, 3, 4)]
+        runs = [[1, 2, 3, 4]] if merged else store
+        for run in runs:
+            first = run[0] - 1
+            index.stored("p", SCOPE, run, "cpu", parent=run[0] - 1 or None,
+                         token_ids=tokens[first * BS:(first + len(run)) * BS], block_size=BS)
+        pooled.append(index.store_blocks(SCOPE))
+    assert pooled[0] == pooled[1] == set(expected)
+
+
 def test_a_parent_the_router_never_saw_is_left_out_not_guessed() -> None:
     index = PrecisePrefixIndex()
     index.set_spaces({SCOPE: KeySpace.of("tokens")})

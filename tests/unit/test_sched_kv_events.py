@@ -288,6 +288,31 @@ def test_a_hybrid_models_full_attention_group_is_the_one_indexed() -> None:
     assert decode_batch(mla) == [Stored((7,), "GPU", None, (1,) * 16, 16)]
 
 
+async def test_without_a_full_attention_group_group_0_is_indexed_and_a_later_one_resets() -> None:
+    """A single group vLLM calls "unknown" (or one without kinds) is still indexed; should a
+    full-attention group turn up later than group 0's events, the pod's entries are cleared
+    before it is indexed, so no other group's block is left behind."""
+    unknown = _encoder.encode(MapBatch(1.0, [
+        MapBlockStored([5], None, [1] * 16, 16, None, "GPU", None, None, 0, "unknown"),
+    ], 0))
+    assert decode_batch(unknown) == [Stored((5,), "GPU", None, (1,) * 16, 16)]
+    rig = Rig()
+    try:
+        await rig.stream.handle(0, payload(stored(1, 2)))  # no kinds: group 0
+        assert rig.blocks() == {1, 2}
+        later = _encoder.encode(MapBatch(2.0, [
+            MapBlockStored([3], None, [1] * 16, 16, None, "GPU", None, None, 0,
+                           "sliding_window"),
+            MapBlockStored([4], None, [1] * 16, 16, None, "GPU", None, None, 1,
+                           "full_attention"),
+        ], 0))
+        await rig.stream.handle(1, later)
+        assert rig.blocks() == {4}
+    finally:
+        await rig.engine.close()
+        rig.context.term()
+
+
 def test_vllms_one_block_store_events_are_applied_as_one_run() -> None:
     """vLLM's MooncakeStoreConnector sends each block written as its own event: chained
     ones become one run, and the index ends the same as with the events one by one."""

@@ -190,7 +190,6 @@ class PodEventStream:
             groups = self._groups
             if groups.switched:  # another group is the full-attention one: start over
                 groups.switched = False
-                groups.kept = False
                 self._index.cleared(self.target.key)
             apply_events(self._index, self.target.key, self.target.scope, events)
             self.batches += 1

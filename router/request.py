@@ -132,8 +132,11 @@ def parse_request(path: str, raw: bytes, max_body_bytes: int = MAX_BODY_BYTES) -
     if endpoint.flow != "pd":
         check_sampling(body, chat=True)
         return ParsedRequest(path, body, model, stream and endpoint.streams, False, endpoint)
-    for name in ("max_tokens", "max_completion_tokens"):
-        _check_token_count(body, name)
+    # `max_tokens: 0` with `echo` is a completion that only echoes the prompt (OpenAI's API,
+    # vLLM's `echo_without_generation`); anywhere else a request generates at least one.
+    echo_only = path == COMPLETIONS_PATH and body.get("echo") is True
+    _check_token_count(body, "max_tokens", lowest=0 if echo_only else 1)
+    _check_token_count(body, "max_completion_tokens")
     _check_token_count(body, "min_tokens", lowest=0)
     check_sampling(body, chat=path == CHAT_PATH)
 

@@ -52,3 +52,16 @@ def test_token_ids_elsewhere_are_held_to_the_same_range(
         parse_request(path, orjson.dumps({"model": "m", field: ids}))
     assert caught.value.status == 400 and caught.value.param == field
     assert parse_request(path, orjson.dumps({"model": "m", field: [0, 2**31 - 1]}))
+
+
+def test_max_tokens_0_is_a_completion_that_only_echoes_the_prompt() -> None:
+    """OpenAI's API and vLLM (`echo_without_generation`) take `max_tokens: 0` with `echo`
+    on a completion; without `echo`, or on a chat, a request must generate a token."""
+    echo = {"model": "m", "prompt": "hi", "max_tokens": 0, "echo": True}
+    assert parse_request(COMPLETIONS_PATH, orjson.dumps(echo))
+    for path, body in ((COMPLETIONS_PATH, {**echo, "echo": False}),
+                       (CHAT_PATH, {"model": "m", "max_tokens": 0, "echo": True,
+                                    "messages": [{"role": "user", "content": "hi"}]})):
+        with pytest.raises(APIError) as caught:
+            parse_request(path, orjson.dumps(body))
+        assert caught.value.status == 400 and caught.value.param == "max_tokens"

@@ -127,6 +127,7 @@ class PrefixCache:
         number) are used only for `BlockStored` events, sent at once or (`defer_stored`)
         kept in the lease for `publish`.
         """
+        lora_name, lora_id = lora if lora is not None else (None, None)
         held: list[int] = []
         ids: list[int] = []
         stored: list[BlockStored] = []
@@ -151,11 +152,11 @@ class PrefixCache:
                 index + 1 == len(block_hashes) or block_hashes[index + 1] in self._blocks
             ):
                 stored.append(self._stored(block_hashes, token_ids, stored_from, index + 1,
-                                           cache_salt, lora=lora))
+                                           cache_salt, 0, lora_name, lora_id))
                 stored_from = None
         if publishing and stored_from is not None:
             stored.append(self._stored(block_hashes, token_ids, stored_from, len(held),
-                                       cache_salt, lora=lora))
+                                       cache_salt, 0, lora_name, lora_id))
         lease = CacheLease(tuple(held), tuple(ids), tuple(stored))
         if defer_stored:
             return lease
@@ -182,8 +183,8 @@ class PrefixCache:
             else:
                 self._on_event(self._stored(lease.block_hashes, event.token_ids,
                                             max(first, start), min(last, stop),
-                                            event.cache_salt, offset=first,
-                                            lora=_lora_of(event)))
+                                            event.cache_salt, first, event.lora_name,
+                                            event.lora_id))
 
     def release(self, lease: CacheLease) -> None:
         """Drop a request's hold; blocks nobody holds become evictable, tail first."""
@@ -237,7 +238,8 @@ class PrefixCache:
         end: int,
         cache_salt: str | None,
         offset: int = 0,
-        lora: tuple[str, int] | None = None,
+        lora_name: str | None = None,
+        lora_id: int | None = None,
     ) -> BlockStored:
         """Blocks `start`..`end` of a prompt; `token_ids` begin at block `offset`."""
         size = self.block_size
@@ -248,12 +250,6 @@ class PrefixCache:
             block_size=size,
             first_block=start,
             cache_salt=cache_salt,
-            lora_name=None if lora is None else lora[0],
-            lora_id=None if lora is None else lora[1],
+            lora_name=lora_name,
+            lora_id=lora_id,
         )
-
-
-def _lora_of(event: BlockStored) -> tuple[str, int] | None:
-    if event.lora_name is None or event.lora_id is None:
-        return None
-    return event.lora_name, event.lora_id

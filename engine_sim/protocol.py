@@ -101,19 +101,24 @@ def _prompt_tokens(
     return ids
 
 
+def check_model(model: object, limits: Limits) -> str:
+    """The model a request names (the served one when it names none), or vLLM's 404."""
+    if model is None:
+        return limits.model
+    if not (isinstance(model, str) and limits.serves(model)):
+        raise RequestError(
+            f"The model `{model}` does not exist.", 404, "NotFoundError", param="model"
+        )
+    return model
+
+
 def parse_request(
     body: Any, endpoint: Endpoint, tokenizer: PromptTokenizer, limits: Limits
 ) -> ParsedRequest:
     """Validate a chat or completion body and tokenize its prompt."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
-    model = body.get("model")
-    if model is None:
-        model = limits.model
-    elif not (isinstance(model, str) and limits.serves(model)):
-        raise RequestError(
-            f"The model `{model}` does not exist.", 404, "NotFoundError", param="model"
-        )
+    model = check_model(body.get("model"), limits)
     if endpoint == "chat":
         if not isinstance(body.get("messages"), list) or not body["messages"]:
             raise RequestError("'messages' must be a non-empty list", param="messages")

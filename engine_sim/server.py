@@ -29,7 +29,13 @@ from engine_sim.faults import (
 from engine_sim.kv_params import TransferMode, parse_kv_transfer_params
 from engine_sim.kv_transfer import KVTransferError
 from engine_sim.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from engine_sim.protocol import Endpoint, ParsedRequest, RequestError, parse_request
+from engine_sim.protocol import (
+    Endpoint,
+    ParsedRequest,
+    RequestError,
+    check_model,
+    parse_request,
+)
 from engine_sim.render import generate_request
 from engine_sim.responses import ChunkWriter, chat_completion, error_body, text_completion, usage
 from engine_sim.scheduler import QueueFullError
@@ -462,13 +468,7 @@ class SimServer:
         return body
 
     def _check_model(self, body: dict[str, Any]) -> None:
-        model = body.get("model")
-        if model is not None and not (
-            isinstance(model, str) and self.engine.limits.serves(model)
-        ):
-            raise RequestError(
-                f"The model `{model}` does not exist.", 404, "NotFoundError", param="model"
-            )
+        check_model(body.get("model"), self.engine.limits)
 
     async def models(self, request: web.Request) -> web.Response:
         """The model and its LoRA adapters, as vLLM lists them (an adapter's `root` is its

@@ -40,10 +40,10 @@ reply messages.
 `medium`: "GPU" (or absent) is the pod's own cache; another medium that is not a store
 medium (e.g. "CPU" offload) is also the pod's own; a store medium (config
 `preciseIndex.storeMedia`, default "cpu", as vLLM's MooncakeStoreConnector spells it) is
-a shared KV store: such blocks count
-for every prefill pod of the same ModelServer (`precise_index.py`).
+a shared KV store: such blocks count for every prefill pod of the same ModelServer
+(`precise_index.py`).
 
-Decoding (both encodings, a typed fast path for the array one) is `kv_wire`'s job.
+Decoding (both encodings, each on a typed fast path) is `kv_wire`'s job.
 
 Subscriber behaviour (`PodEventStream`)
 ---------------------------------------

@@ -15,8 +15,8 @@ so such blocks go to one pool per scope instead of to the pod. vLLM's
 `MooncakeStoreConnector` (and vllm-ascend's Mooncake/Memcache pool) publish a block written
 to the store as `BlockStored(medium="cpu")`, one block an event; vLLM's CPU
 `OffloadingConnector` publishes its own tier as `"CPU"`: the case tells the two apart, so
-media are compared exactly. A scorer credits a pool
-block at a cost factor below a local hit (`precise_prefix_cache.PrecisePrefixCacheScorer`).
+media are compared exactly. A scorer credits a pool block at a cost factor below a local
+hit (`precise_prefix_cache.PrecisePrefixCacheScorer`).
 Engines that publish no store events (vllm-ascend's KV pool) still write every block
 their prefill computes to the store: the pods `set_pool_writers` names (prefill pods of a
 ModelServer that declares a pool, `pool_view.py`) put each block they store locally into

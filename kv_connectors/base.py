@@ -36,6 +36,17 @@ class PodAddress(Protocol):
     @property
     def base_url(self) -> str: ...
 
+    @property
+    def dp_rank(self) -> int | None:
+        """The engine's data-parallel rank, on a pod that runs several (else None)."""
+        ...
+
+    @property
+    def rank_pin(self) -> str | None:
+        """The `X-data-parallel-rank` that pins a request to this target's engine, when
+        its pod runs several data-parallel ranks behind one API server (else None)."""
+        ...
+
 
 class UpstreamError(Exception):
     """An engine call failed. `retryable` tells the router whether a new pair may help.

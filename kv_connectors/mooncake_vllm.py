@@ -28,8 +28,10 @@ Exchange, field by field, as pdgate sends it:
    decimal `dp_rank`; anything else, and any failed GET (refused, timeout, non-2xx,
    not JSON), is `UpstreamError(reason="bad_bootstrap", retryable=True)`: a problem of
    this prefill pod, so another pair is tried and the client never sees a 4xx for it.
-   The rank is the client's `X-data-parallel-rank` if the answer has it, else a random
-   one.
+   The rank is the one the router picked when the prefill target is one rank of a
+   data-parallel pod (`pdgate.io/data-parallel-size`; an answer without it is
+   `bad_bootstrap` too), else the client's `X-data-parallel-rank` if the answer has it,
+   else a random one.
 2. Router -> prefill, `POST <call.path>`, headers `call.headers` plus
    `X-data-parallel-rank: <dp_rank>` (pins the prefill to the engine whose id
    decode is given; the reference proxy always sends it). Body is the client's body
@@ -107,7 +109,7 @@ class MooncakeVllmConnector(KVConnector):
         port = call_port(call.annotations, MOONCAKE_BOOTSTRAP_PORT_ANNOTATION, self.bootstrap_port)
         bootstrap_addr = f"http://{url_host(call.prefill.ip)}:{port}"
         answer = await _query(client, call, bootstrap_addr + "/query")
-        dp_rank, engine_id = _pick_engine(answer, _header(call.headers, DP_RANK_HEADER), call)
+        dp_rank, engine_id = _pick_engine(answer, call)
         transfer_id = f"xfer-{call.request_id}-{secrets.token_hex(4)}"
 
         prefill = vllm_prefill(
@@ -148,12 +150,18 @@ async def _query(client: PrefillClient, call: PDCall, url: str) -> Any:
         ) from exc
 
 
-def _pick_engine(answer: Any, wanted: str | None, call: PDCall) -> tuple[str, str]:
-    """Choose the data-parallel rank to pin, and its engine id, from a `/query` answer."""
+def _pick_engine(answer: Any, call: PDCall) -> tuple[str, str]:
+    """Choose the data-parallel rank to pin, and its engine id, from a `/query` answer:
+    the rank the router picked (a target that is one rank of its pod; the answer must
+    list it), else the client's, else any."""
     if not isinstance(answer, dict) or not answer:
         raise _bad_bootstrap(call)
+    picked = call.prefill.dp_rank
+    wanted = str(picked) if picked is not None else _header(call.headers, DP_RANK_HEADER)
     if wanted is not None and wanted.strip() in answer:
         rank = wanted.strip()
+    elif picked is not None:
+        raise _bad_bootstrap(call)
     else:
         rank = random.choice(sorted(answer))
     entry = answer[rank]

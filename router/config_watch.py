@@ -34,7 +34,8 @@ _Key = tuple[str, str]  # (namespace, name)
 
 
 def _ready(server: ServerPods) -> int:
-    return len(server.endpoints())
+    """Ready pods (a pod with several data-parallel ranks is several targets, one pod)."""
+    return len({pod.pod_name for pod in server.endpoints()})
 
 
 class ConfigWatchMetrics:

@@ -425,7 +425,7 @@ class Proxy:
             span = None
             if tracing is not None:
                 span = tracing.child(attempt.span, "prefill", {
-                    "pdgate.pod": pick.prefill.pod_name, "server.address": pick.prefill.ip,
+                    "pdgate.pod": pick.prefill.label, "server.address": pick.prefill.ip,
                     "server.port": pick.prefill.port, "pdgate.connector": attempt.connector.name,
                 }, client=True)
                 headers = tracing.headers(headers, span)
@@ -459,7 +459,7 @@ class Proxy:
         headers = attempt.headers
         if tracing is not None:
             decode = tracing.child(attempt.span, "decode", {
-                "pdgate.pod": pick.decode.pod_name, "server.address": pick.decode.ip,
+                "pdgate.pod": pick.decode.label, "server.address": pick.decode.ip,
                 "server.port": pick.decode.port, "pdgate.phase": phase,
             }, client=True)
             if handoff is not None:
@@ -544,10 +544,10 @@ class Proxy:
         headers = [
             (b"content-type", response.headers.get("content-type", "application/json").encode()),
             (b"x-request-id", attempt.request_id.encode()),
-            (b"x-pdgate-decode-pod", pick.decode.pod_name.encode()),
+            (b"x-pdgate-decode-pod", pick.decode.label.encode()),
         ]
         if pick.prefill is not None:
-            headers.append((b"x-pdgate-prefill-pod", pick.prefill.pod_name.encode()))
+            headers.append((b"x-pdgate-prefill-pod", pick.prefill.label.encode()))
         if not parsed.stream:
             try:
                 raw = await response.read(MAX_JSON_BODY_BYTES)
@@ -630,11 +630,11 @@ class Proxy:
 
 def _pick_attributes(pick: Pick) -> dict[str, Any]:
     """A schedule span's attributes: the chosen pods and their costs."""
-    attributes: dict[str, Any] = {"pdgate.decode.pod": pick.decode.pod_name}
+    attributes: dict[str, Any] = {"pdgate.decode.pod": pick.decode.label}
     if pick.decode_cost is not None:
         attributes["pdgate.decode.cost"] = pick.decode_cost
     if pick.prefill is not None:
-        attributes["pdgate.prefill.pod"] = pick.prefill.pod_name
+        attributes["pdgate.prefill.pod"] = pick.prefill.label
         if pick.prefill_cost is not None:
             attributes["pdgate.prefill.cost"] = pick.prefill_cost
     return attributes

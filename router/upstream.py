@@ -28,6 +28,8 @@ KEEPALIVE_SECONDS = 4.0
 CONNECT_TIMEOUT_SECONDS = 5.0
 MAX_ERROR_BODY_BYTES = 64 * 1024
 MAX_JSON_BODY_BYTES = 64 * 1024 * 1024
+#: vLLM's header naming the data-parallel rank (engine) a request is for.
+DP_RANK_HEADER = "x-data-parallel-rank"
 
 
 class Upstream:
@@ -168,13 +170,19 @@ def request_head(pod: PodAddress, path: str, headers: Mapping[str, str], length:
 
     A value carrying CR or LF would split the head (request smuggling toward the engine):
     such a header is refused with `ValueError` (the proxy only forwards values llhttp
-    parsed from one header line, so none should).
+    parsed from one header line, so none should). A pod's data-parallel rank
+    (`rank_pin`) is pinned with `x-data-parallel-rank`, over any such header given.
     """
     host = f"[{pod.ip}]:{pod.port}" if ":" in pod.ip else f"{pod.ip}:{pod.port}"
     lines = [f"POST {path} HTTP/1.1\r\nhost: {host}\r\ncontent-length: {length}\r\n"]
+    pin = pod.rank_pin
+    if pin is not None:
+        lines.append(f"{DP_RANK_HEADER}: {pin}\r\n")
     for name, value in headers.items():
         if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
             raise ValueError(f"header {name!r} carries a line break")
+        if pin is not None and name.lower() == DP_RANK_HEADER:
+            continue
         lines.append(f"{name}: {value}\r\n")
     lines.append("\r\n")
     return "".join(lines).encode("latin-1")

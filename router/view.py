@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Literal, TypeVar
+from typing import Final, Literal, TypeVar
 
 from router.resources import (
     KINDS,
@@ -40,7 +40,9 @@ Role = Literal["prefill", "decode", "both"]
 
 @dataclass(frozen=True, slots=True)
 class Endpoint:
-    """One ready pod of one ModelServer, in one role. Hashable; `key` is stable."""
+    """One ready pod of one ModelServer, in one role; or, on a pod that runs several
+    data-parallel ranks, one rank of it (`dp_rank`; see `data_parallel`). Hashable;
+    `key` is stable."""
 
     namespace: str
     pod_name: str
@@ -49,11 +51,24 @@ class Endpoint:
     role: Role
     group: str | None = None  # value of the pdGroup.groupKey label
     scheme: str = "http"
-    #: `namespace/pod_name`: made once, read several times by every request.
+    #: The engine's data-parallel rank, on a pod that runs more than one (else None): its
+    #: KV events come on the events port + rank, its /metrics series carry `engine=rank`.
+    dp_rank: int | None = None
+    #: The `X-data-parallel-rank` value that pins a request to this rank (vLLM's internal
+    #: load balancing: one API server for every rank); None when the address alone does.
+    rank_pin: str | None = None
+    #: `namespace/pod_name` (`.../dp<rank>` for a rank): made once, read by every request.
     key: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "key", f"{self.namespace}/{self.pod_name}")
+        object.__setattr__(self, "key", f"{self.namespace}/{self.label}")
+
+    @property
+    def label(self) -> str:
+        """The pod's name, with `/dp<rank>` for one rank of a data-parallel pod."""
+        if self.dp_rank is None:
+            return self.pod_name
+        return f"{self.pod_name}/dp{self.dp_rank}"
 
     @property
     def base_url(self) -> str:
@@ -325,27 +340,76 @@ def _has_labels(labels: dict[str, str], required: dict[str, str]) -> bool:
     return True
 
 
-def _endpoint(pod: Pod, server: ModelServer, role: Role, group: str | None) -> Endpoint:
+DP_SIZE_ANNOTATION: Final = "pdgate.io/data-parallel-size"
+DP_LB_ANNOTATION: Final = "pdgate.io/data-parallel-lb"
+#: The most data-parallel ranks one pod may declare (a pod is that many targets).
+MAX_DATA_PARALLEL_SIZE: Final = 256
+
+
+@dataclass(frozen=True, slots=True)
+class DataParallel:
+    """How many data-parallel ranks each pod of a ModelServer runs, and how one is reached.
+
+    vLLM's `--data-parallel-size N` runs N engines (ranks) behind one API server that
+    balances requests over them unless the `X-data-parallel-rank` header names one
+    (`internal`); with `--data-parallel-external-lb` each rank has an API server of its
+    own, here on the ModelServer's port + rank (`external`). Either way rank r publishes
+    its KV events on the events port + r and keeps its own prefix cache, so the router
+    scores each rank as a target of its own and pins the one it picks.
+    Annotations: `pdgate.io/data-parallel-size` (default 1), `pdgate.io/data-parallel-lb`
+    (`internal`, the default, or `external`).
+    """
+
+    size: int = 1
+    external: bool = False
+
+
+def data_parallel(server: ModelServer) -> DataParallel:
+    """A ModelServer's data parallelism from its annotations; a bad value counts as 1."""
+    annotations = server.meta.annotations
+    raw = annotations.get(DP_SIZE_ANNOTATION)
+    if raw is None:
+        return DataParallel()
+    try:
+        size = int(raw.strip())
+    except ValueError:
+        size = 0
+    if not 1 <= size <= MAX_DATA_PARALLEL_SIZE:
+        log.warning("ModelServer %s: %s=%r is not 1..%d; one rank a pod assumed",
+                    server.meta.key, DP_SIZE_ANNOTATION, raw, MAX_DATA_PARALLEL_SIZE)
+        return DataParallel()
+    mode = annotations.get(DP_LB_ANNOTATION, "internal").strip().lower()
+    if mode not in ("internal", "external"):
+        log.warning("ModelServer %s: %s=%r is not internal or external; internal assumed",
+                    server.meta.key, DP_LB_ANNOTATION, mode)
+    return DataParallel(size, mode == "external")
+
+
+def _endpoints(
+    pod: Pod, server: ModelServer, dp: DataParallel, role: Role, group: str | None
+) -> list[Endpoint]:
+    """The pod as targets: itself, or one a data-parallel rank."""
     assert pod.ip is not None
-    return Endpoint(
-        namespace=pod.meta.namespace,
-        pod_name=pod.meta.name,
-        ip=pod.ip,
-        port=server.port,
-        role=role,
-        group=group,
-        scheme=server.protocol,
-    )
+    ns, name, ip, scheme = pod.meta.namespace, pod.meta.name, pod.ip, server.protocol
+    if dp.size == 1:
+        return [Endpoint(ns, name, ip, server.port, role, group, scheme)]
+    return [
+        Endpoint(ns, name, ip, server.port + rank if dp.external else server.port, role, group,
+                 scheme, dp_rank=rank, rank_pin=None if dp.external else str(rank))
+        for rank in range(dp.size)
+        if not dp.external or server.port + rank < 65536
+    ]
 
 
 def _server_pods(
     server: ModelServer, pods: list[Pod], left_out: set[str]
 ) -> ServerPods:
     pd = server.pd_group
+    dp = data_parallel(server)
     if pd is None:
-        return ServerPods(
-            server=server, aggregated=tuple(_endpoint(p, server, "both", None) for p in pods)
-        )
+        return ServerPods(server=server, aggregated=tuple(
+            target for p in pods for target in _endpoints(p, server, dp, "both", None)
+        ))
     groups: dict[str, tuple[list[Endpoint], list[Endpoint]]] = {}
     for pod in pods:
         labels = pod.meta.labels
@@ -357,9 +421,9 @@ def _server_pods(
             continue
         prefill, decode = groups.setdefault(group, ([], []))
         if is_prefill:
-            prefill.append(_endpoint(pod, server, "prefill", group))
+            prefill.extend(_endpoints(pod, server, dp, "prefill", group))
         else:
-            decode.append(_endpoint(pod, server, "decode", group))
+            decode.extend(_endpoints(pod, server, dp, "decode", group))
     return ServerPods(
         server=server,
         groups=tuple(
@@ -404,6 +468,7 @@ def build_snapshot(
 
 __all__ = [
     "ClusterView",
+    "DataParallel",
     "Endpoint",
     "InvalidRecord",
     "ModelRoute",
@@ -415,5 +480,6 @@ __all__ = [
     "ShadowedRoute",
     "Snapshot",
     "build_snapshot",
+    "data_parallel",
     "route_age_key",
 ]

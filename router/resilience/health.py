@@ -77,19 +77,19 @@ class HealthChecker:
         """Probe every ejected pod whose backoff is over, and report the results."""
         due = self._detector.due()
         if due:
-            results = await asyncio.gather(*(self._check(pod) for pod in due))
-            for pod, ok in zip(due, results, strict=True):
-                self._detector.probe_result(pod, ok)
+            answers = await self._check_all(due)
+            for pod in due:
+                self._detector.probe_result(pod, answers[pod.base_url])
 
     async def sweep(self) -> None:
         """Check every admitted pod once."""
         pods = self._view.snapshot.endpoints()
         self._failures = {k: n for k, n in self._failures.items() if k in pods}
         checked = [pod for key, pod in pods.items() if not self._detector.is_ejected(key)]
-        results = await asyncio.gather(*(self._check(pod) for pod in checked))
+        answers = await self._check_all(checked)
         threshold = max(1, self._config.unhealthy_threshold)
-        for pod, ok in zip(checked, results, strict=True):
-            if ok:
+        for pod in checked:
+            if answers[pod.base_url]:
                 self._failures.pop(pod.key, None)
                 continue
             failures = self._failures.get(pod.key, 0) + 1
@@ -99,9 +99,16 @@ class HealthChecker:
             else:
                 self._failures[pod.key] = failures
 
-    async def _check(self, pod: Endpoint) -> bool:
+    async def _check_all(self, pods: list[Endpoint]) -> dict[str, bool]:
+        """Each pod's health by base URL: a pod whose data-parallel ranks share one API
+        server (several targets, one URL) is probed once."""
+        urls = list(dict.fromkeys(pod.base_url for pod in pods))
+        results = await asyncio.gather(*(self._check(url) for url in urls))
+        return dict(zip(urls, results, strict=True))
+
+    async def _check(self, base_url: str) -> bool:
         async with self._limit:
-            ok = await self._probe(pod.base_url + self._config.health_path,
+            ok = await self._probe(base_url + self._config.health_path,
                                    self._config.health_timeout_s)
         if self._checks is not None:
             self._checks.labels(result="ok" if ok else "failed").inc()

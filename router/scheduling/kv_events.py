@@ -63,6 +63,8 @@ Endpoint per pod: `tcp://<pod ip>:<port>`, port 5557 unless the ModelServer's an
 `pdgate.io/kv-events-port` says otherwise; replay on `pdgate.io/kv-events-replay-port`
 (default 5558; "0" or "none" disables replay); topic `pdgate.io/kv-events-topic`
 (default "", every topic); `pdgate.io/kv-events: "false"` disables the subscription.
+Data-parallel rank r of a pod (`router.view.DataParallel`) publishes on both ports + r,
+as vLLM offsets a rank's endpoints, and is a stream (and an index entry) of its own.
 Only prefill and aggregated pods are subscribed (decode pods are not scored by prefix).
 
 Keys: each ModelServer gets a `KeySpace` (`key_spaces`: the `preciseIndex` defaults and
@@ -113,6 +115,7 @@ SUB_RCVHWM: Final = 100_000
 #: Bound on the batches accepted from one replay answer.
 MAX_REPLAY_BATCHES: Final = 100_000
 END_SEQ: Final = -1
+MAX_PORT: Final = 65535
 
 
 # -- one pod's stream ----------------------------------------------------------------------
@@ -344,12 +347,16 @@ def stream_targets(
         scope = scope_of(server)
         space = spaces.get(scope) if spaces is not None else None
         for pod in _scored_pods(server):
-            if pod.key in out:
+            rank = pod.dp_rank or 0  # vLLM's rank r binds the configured ports + r
+            if pod.key in out or port + rank > MAX_PORT:
                 continue
             out[pod.key] = StreamTarget(
                 key=pod.key,
-                endpoint=_tcp(pod.ip, port),
-                replay_endpoint=None if replay is None else _tcp(pod.ip, replay),
+                endpoint=_tcp(pod.ip, port + rank),
+                replay_endpoint=(
+                    None if replay is None or replay + rank > MAX_PORT
+                    else _tcp(pod.ip, replay + rank)
+                ),
                 topic=topic,
                 scope=scope,
                 space=space.ident if space is not None else 0,

@@ -18,6 +18,10 @@ page is thousands of histogram lines):
 
 The capacity sizes the approximate prefix index (`on_capacity` callback, on change only).
 
+A pod that runs several data-parallel ranks behind one API server (`router.view.
+DataParallel`) is one page for several targets: it is scraped once and each rank's load
+read from the series labelled with its `engine` (vLLM labels every engine's series so).
+
 Once per host: with `pdgate serve --workers N` only worker 0 scrapes; its store's
 `listener` publishes each scrape (`router.sync`) and the other workers, whose scrapers
 are `passive`, apply it with `EngineMetricsStore.apply_remote`.
@@ -71,8 +75,9 @@ class EngineLoad:
     at: float = 0.0  # time.monotonic() of the scrape
 
 
-def _samples(data: bytes, name: bytes) -> list[tuple[bytes, float]]:
-    """(labels text, value) of every sample of `name` in an exposition (data starts "\\n")."""
+def _samples(data: bytes, name: bytes, engine: bytes | None = None) -> list[tuple[bytes, float]]:
+    """(labels text, value) of every sample of `name` in an exposition (data starts "\\n");
+    with `engine`, only that engine's samples (and those of no engine)."""
     out: list[tuple[bytes, float]] = []
     needle = b"\n" + name
     size = len(needle)
@@ -97,6 +102,8 @@ def _samples(data: bytes, name: bytes) -> list[tuple[bytes, float]]:
             pos = data.find(needle, end)
             continue
         fields = rest.split()
+        if engine is not None and _label(labels, b"engine") not in (engine, None):
+            fields = []
         if fields:
             try:
                 out.append((labels, float(fields[0])))
@@ -118,26 +125,27 @@ def _label(labels: bytes, name: bytes) -> bytes | None:
     return None if end < 0 else labels[start:end]
 
 
-def _sum(data: bytes, names: tuple[bytes, ...]) -> float | None:
+def _sum(data: bytes, names: tuple[bytes, ...], engine: bytes | None) -> float | None:
     for name in names:
-        samples = _samples(data, name)
+        samples = _samples(data, name, engine)
         if samples:
             return sum(value for _, value in samples)
     return None
 
 
-def parse_engine_metrics(body: bytes, at: float = 0.0) -> EngineLoad:
-    """The load fields of one /metrics page (vLLM or SGLang names; see the module docstring)."""
+def parse_engine_metrics(body: bytes, at: float = 0.0, engine: bytes | None = None) -> EngineLoad:
+    """The load fields of one /metrics page (vLLM or SGLang names; see the module
+    docstring), of one engine's series when `engine` names its `engine` label."""
     data = b"\n" + body
     usage: float | None = None
     for name in _USAGE:
-        samples = _samples(data, name)
+        samples = _samples(data, name, engine)
         if samples:
             usage = min(1.0, max(0.0, max(value for _, value in samples)))
             break
     capacity: int | None = None
     total = 0
-    for labels, _ in _samples(data, _CACHE_INFO):
+    for labels, _ in _samples(data, _CACHE_INFO, engine):
         blocks = _label(labels, b"num_gpu_blocks")
         block_size = _label(labels, b"block_size")
         try:
@@ -148,12 +156,12 @@ def parse_engine_metrics(body: bytes, at: float = 0.0) -> EngineLoad:
     if total > 0:
         capacity = total
     else:
-        tokens = _sum(data, (_SGLANG_CAPACITY,))
+        tokens = _sum(data, (_SGLANG_CAPACITY,), engine)
         if tokens is not None and tokens > 0:
             capacity = int(tokens)
     return EngineLoad(
-        running=_sum(data, _RUNNING),
-        waiting=_sum(data, _WAITING),
+        running=_sum(data, _RUNNING, engine),
+        waiting=_sum(data, _WAITING, engine),
         kv_usage=usage,
         capacity_tokens=capacity,
         at=at,
@@ -263,7 +271,8 @@ class MetricsScraper:
         self.settings = settings or ScrapeSettings()
         self._on_capacity = on_capacity
         self._clock = clock
-        self._pods: dict[str, str] = {}  # key -> base URL
+        #: base URL -> (key, `engine` label or None for the whole page) of each target
+        self._pages: dict[str, tuple[tuple[str, bytes | None], ...]] = {}
         self._running: dict[str, asyncio.Task[None]] = {}
         self._capacity: dict[str, int | None] = {}
         #: True on workers that leave scraping to worker 0 (`run` returns at once).
@@ -280,10 +289,19 @@ class MetricsScraper:
         self._apply_settings()
 
     def on_snapshot(self, snapshot: Snapshot) -> None:
-        pods = {key: pod.base_url for key, pod in snapshot.endpoints().items()}
-        self._pods = pods
-        self.store.retain(set(pods))
-        for key in [k for k in self._capacity if k not in pods]:
+        pages: dict[str, list[tuple[str, int | None]]] = {}
+        for key, pod in snapshot.endpoints().items():
+            pages.setdefault(pod.base_url, []).append((key, pod.dp_rank))
+        self._pages = {
+            url: tuple(
+                (key, None if rank is None or len(targets) == 1 else str(rank).encode())
+                for key, rank in targets
+            )
+            for url, targets in pages.items()
+        }
+        keys = {key for targets in pages.values() for key, _ in targets}
+        self.store.retain(keys)
+        for key in [k for k in self._capacity if k not in keys]:
             del self._capacity[key]
 
     async def run(self) -> None:
@@ -298,12 +316,12 @@ class MetricsScraper:
             try:
                 while True:
                     began = loop.time()
-                    pods = self._pods if self.settings.enabled else {}
-                    for key, url in pods.items():
-                        if key not in self._running:
-                            task = asyncio.create_task(self._scrape(session, key, url))
-                            self._running[key] = task
-                            task.add_done_callback(self._finished(key))
+                    pages = self._pages if self.settings.enabled else {}
+                    for url in pages:
+                        if url not in self._running:
+                            task = asyncio.create_task(self._scrape(session, url))
+                            self._running[url] = task
+                            task.add_done_callback(self._finished(url))
                     interval = self.settings.interval_s
                     await asyncio.sleep(max(0.0, interval - (loop.time() - began)))
             finally:
@@ -314,19 +332,17 @@ class MetricsScraper:
                     with contextlib.suppress(asyncio.CancelledError, Exception):
                         await task
 
-    def _finished(self, key: str) -> Callable[[asyncio.Task[None]], None]:
+    def _finished(self, url: str) -> Callable[[asyncio.Task[None]], None]:
         def done(_task: asyncio.Task[None]) -> None:
-            self._running.pop(key, None)
+            self._running.pop(url, None)
 
         return done
 
     async def scrape_once(self, session: aiohttp.ClientSession) -> None:
         """Scrape every pod once and wait for all of them (tests, warm-up)."""
-        await asyncio.gather(
-            *(self._scrape(session, key, url) for key, url in self._pods.items())
-        )
+        await asyncio.gather(*(self._scrape(session, url) for url in self._pages))
 
-    async def _scrape(self, session: aiohttp.ClientSession, key: str, url: str) -> None:
+    async def _scrape(self, session: aiohttp.ClientSession, url: str) -> None:
         timeout = self.settings.timeout_s
         try:
             async with self._semaphore:
@@ -347,17 +363,20 @@ class MetricsScraper:
         except (aiohttp.ClientError, OSError):
             self._metrics.scrape_errors.labels(reason="connect").inc()
             return
-        if key not in self._pods:
+        targets = self._pages.get(url)
+        if targets is None:
             return  # the pod left while we were reading
-        load = parse_engine_metrics(body, self._clock())
-        if load.running is None and load.waiting is None and load.kv_usage is None:
-            self._metrics.scrape_errors.labels(reason="parse").inc()
-            return
-        self.store.put(key, load)
-        self._metrics.scrapes.inc()
-        if self._on_capacity is not None and self._capacity.get(key) != load.capacity_tokens:
-            self._capacity[key] = load.capacity_tokens
-            self._on_capacity(key, load.capacity_tokens)
+        at = self._clock()
+        for key, engine in targets:
+            load = parse_engine_metrics(body, at, engine)
+            if load.running is None and load.waiting is None and load.kv_usage is None:
+                self._metrics.scrape_errors.labels(reason="parse").inc()
+                continue
+            self.store.put(key, load)
+            self._metrics.scrapes.inc()
+            if self._on_capacity is not None and self._capacity.get(key) != load.capacity_tokens:
+                self._capacity[key] = load.capacity_tokens
+                self._on_capacity(key, load.capacity_tokens)
 
 
 async def _read_bounded(response: aiohttp.ClientResponse) -> bytes:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -119,3 +120,17 @@ def test_a_shadowed_route_is_logged_once_and_gauged(
     assert caplog.messages[-1] == "ModelRoute default/aa-new is no longer shadowed"
     assert registry.get_sample_value(
         "pdgate_routes_shadowed", {"namespace": "default", "name": "aa-new"}) is None
+
+
+def test_a_pod_with_data_parallel_ranks_counts_once(
+    watched: tuple[ClusterView, CollectorRegistry, Synced]
+) -> None:
+    view, registry, synced = watched
+    synced.value = True
+    ranks = ObjectMeta(name="ms", annotations={"pdgate.io/data-parallel-size": "4"})
+    with view.batch():
+        view.apply(dataclasses.replace(server(), meta=ranks))
+        view.apply(pod("p1"))
+        view.apply(pod("p2"))
+    assert len(view.snapshot.endpoints()) == 8  # four targets a pod
+    assert sample(registry, "pdgate_model_server_ready_pods", name="ms") == 2

@@ -24,6 +24,8 @@ from tests.local_http import serve
 class Pod:
     ip: str
     port: int
+    dp_rank: int | None = None
+    rank_pin: str | None = None
 
     @property
     def base_url(self) -> str:

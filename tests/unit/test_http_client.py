@@ -114,6 +114,8 @@ async def server() -> AsyncIterator[Server]:
 class _Pod:
     ip: str
     port: int
+    dp_rank: int | None = None
+    rank_pin: str | None = None
 
     @property
     def base_url(self) -> str:
@@ -336,6 +338,22 @@ def test_header_values_with_line_breaks_are_refused() -> None:
     with pytest.raises(ValueError):
         request_head(pod, "/v1/completions", {"x-request-id": "a\r\nx-evil: 1"}, 2)
     assert b"host: [::1]:8000" in request_head(_Pod("::1", 8000), "/", {}, 0)
+
+
+def test_a_data_parallel_rank_is_pinned_over_the_clients() -> None:
+    """A target that is one rank of a pod sends vLLM's rank header with its own rank,
+    whatever rank the client asked for; other targets pass the client's on."""
+    client = {"x-request-id": "abc", "X-Data-Parallel-Rank": "3"}
+
+    def ranks(head: bytes) -> list[bytes]:
+        lines = head.split(b"\r\n")
+        return [line for line in lines if line.lower().startswith(b"x-data-parallel-rank:")]
+
+    pinned = request_head(_Pod("127.0.0.1", 8000, 1, "1"), "/v1/completions", client, 2)
+    assert ranks(pinned) == [b"x-data-parallel-rank: 1"]
+    assert b"x-request-id: abc\r\n" in pinned
+    plain = request_head(_Pod("127.0.0.1", 8000), "/v1/completions", client, 2)
+    assert ranks(plain) == [b"X-Data-Parallel-Rank: 3"]
 
 
 async def test_push_mode_hands_chunks_to_the_sink_as_they_arrive(server: Server) -> None:

@@ -43,6 +43,8 @@ NULL_PREFILL_PARAMS = {
 class Pod:
     ip: str
     port: int
+    dp_rank: int | None = None
+    rank_pin: str | None = None
 
     @property
     def base_url(self) -> str:
@@ -646,6 +648,23 @@ async def test_mooncake_vllm_pins_the_client_rank() -> None:
     await finish(handoff)
     assert handoff.decode_body["kv_transfer_params"]["remote_engine_id"] == "eng-2"
     assert client.posts[0].headers == {"x-request-id": "req-1", "X-data-parallel-rank": "2"}
+
+
+async def test_mooncake_vllm_pins_the_rank_the_router_picked() -> None:
+    """A prefill target that is one rank of a data-parallel pod: that rank's engine,
+    whatever the client asked for; a bootstrap answer without it is this pod's fault."""
+    client = RecordingClient(query=query_answer(0, 1, 2))
+    rank1 = Pod("10.0.0.1", 8000, dp_rank=1, rank_pin="1")
+    call = make_call(headers={"x-request-id": "req-1", "x-data-parallel-rank": "2"},
+                     prefill=rank1)
+    handoff = await MooncakeVllmConnector().start(call, client)
+    await finish(handoff)
+    assert handoff.decode_body["kv_transfer_params"]["remote_engine_id"] == "eng-1"
+    assert client.posts[0].headers == {"x-request-id": "req-1", "X-data-parallel-rank": "1"}
+    lonely = RecordingClient(query=query_answer(0))
+    with pytest.raises(UpstreamError) as caught:
+        await MooncakeVllmConnector().start(make_call(prefill=rank1), lonely)
+    assert caught.value.reason == "bad_bootstrap" and lonely.posts == []
 
 
 async def test_mooncake_vllm_picks_a_rank_and_its_engine() -> None:

@@ -172,6 +172,46 @@ async def test_sweep_ejects_after_the_threshold_and_probes_readmit() -> None:
     assert gauge(registry, "pdgate_health_checks_total", result="failed") == 2
 
 
+async def test_the_ranks_of_a_data_parallel_pod_share_one_probe() -> None:
+    """A pod running two ranks behind one API server is two targets and one /health."""
+    from router.resources import parse_object
+
+    view = ClusterView()
+    view.apply(parse_object({
+        "apiVersion": "networking.serving.volcano.sh/v1alpha1", "kind": "ModelServer",
+        "metadata": {"name": "s", "namespace": "default",
+                     "annotations": {"pdgate.io/data-parallel-size": "2"}},
+        "spec": {"inferenceEngine": "vLLM", "workloadPort": {"port": 8000},
+                 "workloadSelector": {"matchLabels": {"app": "x"}}},
+    }))
+    view.apply(parse_object({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "p", "namespace": "default", "labels": {"app": "x"}},
+        "status": {"phase": "Running", "podIP": "10.0.0.1",
+                   "conditions": [{"type": "Ready", "status": "True"}]},
+    }))
+    probed: list[str] = []
+    healthy = [False]
+
+    async def probe(url: str, timeout_s: float) -> bool:
+        probed.append(url)
+        return healthy[0]
+
+    config = ResilienceConfig(unhealthy_threshold=2, base_ejection_s=0.0)
+    resilience = Resilience(config, view, probe, CollectorRegistry())
+    checker = resilience.health
+    assert isinstance(checker, HealthChecker)
+    await checker.sweep()
+    await checker.sweep()
+    assert probed == ["http://10.0.0.1:8000/health"] * 2
+    assert resilience.outliers.ejected == {"default/p/dp0", "default/p/dp1"}
+    probed.clear()
+    healthy[0] = True
+    await checker.readmit()
+    assert probed == ["http://10.0.0.1:8000/health"]
+    assert not resilience.outliers.ejected
+
+
 # --- admission ----------------------------------------------------------------------
 
 

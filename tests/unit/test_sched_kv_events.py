@@ -530,6 +530,21 @@ def test_stream_targets_follow_annotations() -> None:
     assert list(stream_targets(Snapshot(servers={("default", "srv"): agg}))) == ["ns/a"]
 
 
+def test_each_data_parallel_rank_is_a_stream_on_the_ports_plus_its_rank() -> None:
+    """vLLM's rank r binds the configured events and replay ports + r."""
+    ranks = tuple(Endpoint("ns", "pre", "10.0.0.1", 8000, "prefill", "g0", dp_rank=rank,
+                           rank_pin=str(rank)) for rank in (0, 1, 2))
+    server = ServerPods(server=_server({"pdgate.io/kv-events-port": "6000"}), groups=(
+        PDGroupPods("g0", ranks, (Endpoint("ns", "dec", "10.0.0.2", 8000, "decode", "g0"),)),
+    ))
+    targets = stream_targets(Snapshot(servers={("default", "srv"): server}))
+    assert {key: (t.endpoint, t.replay_endpoint) for key, t in targets.items()} == {
+        "ns/pre/dp0": ("tcp://10.0.0.1:6000", "tcp://10.0.0.1:5558"),
+        "ns/pre/dp1": ("tcp://10.0.0.1:6001", "tcp://10.0.0.1:5559"),
+        "ns/pre/dp2": ("tcp://10.0.0.1:6002", "tcp://10.0.0.1:5560"),
+    }
+
+
 async def test_manager_subscribes_per_pod_and_drops_departed_pods() -> None:
     context = zmq.asyncio.Context()
     engine = FakeEngine(context, topic="")

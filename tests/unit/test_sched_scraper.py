@@ -211,3 +211,46 @@ def test_get_many_is_memoized_until_a_scrape_lands_or_a_load_goes_stale() -> Non
     assert len(store.get_many(keys, 111.0)) == 4
     store.stale_after_s = 100.0  # a reconfiguration applies at once
     assert [load and load.waiting for load in store.get_many(keys, 111.0)] == [1.0, 2.0, 3.0, 1.0]
+
+
+def test_parse_one_engine_of_a_data_parallel_page() -> None:
+    """vLLM labels each engine's series with `engine`: a rank reads its own (and the
+    series that name no engine)."""
+    zero = parse_engine_metrics(VLLM.encode(), engine=b"0")
+    one = parse_engine_metrics(VLLM.encode(), engine=b"1")
+    assert (zero.running, zero.waiting, zero.kv_usage) == (3.0, 7.0, 0.25)
+    assert (one.running, one.waiting, one.kv_usage) == (2.0, None, 0.5)
+    assert zero.capacity_tokens == one.capacity_tokens == 2048 * 16
+
+
+async def test_a_data_parallel_pod_is_scraped_once_for_all_its_ranks() -> None:
+    hits: list[str] = []
+    scraped = asyncio.Event()
+
+    async def page(request: web.Request) -> web.Response:
+        hits.append(request.path)
+        scraped.set()
+        return web.Response(text=VLLM)
+
+    app = web.Application()
+    app.router.add_get("/metrics", page)
+    runner, port = await serve(app)
+    server = ServerPods(
+        server=ModelServer(meta=ObjectMeta(name="s"), model="m", inference_engine="vLLM",
+                           match_labels={"a": "b"}, pd_group=None, port=port),
+        aggregated=tuple(Endpoint("ns", "p", "127.0.0.1", port, "both", dp_rank=rank,
+                                  rank_pin=str(rank)) for rank in (0, 1)),
+    )
+    store = EngineMetricsStore()
+    scraper = MetricsScraper(store, SchedulerMetrics(CollectorRegistry()))
+    scraper.on_snapshot(Snapshot(servers={("default", "s"): server}))
+    try:
+        async with aiohttp.ClientSession() as session:
+            await scraper.scrape_once(session)
+        assert hits == ["/metrics"]
+        now = time.monotonic()
+        zero, one = store.get("ns/p/dp0", now), store.get("ns/p/dp1", now)
+        assert zero is not None and one is not None
+        assert (zero.running, one.running) == (3.0, 2.0)
+    finally:
+        await runner.cleanup()

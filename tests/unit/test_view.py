@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -299,6 +300,41 @@ def test_pd_groups_and_ambiguous_pods() -> None:
         "default/empty-group", "default/no-group", "default/no-role",
     )
     assert snap.ambiguous_pods == 3
+
+
+def _with_annotations(ms: ModelServer, **annotations: str) -> ModelServer:
+    return dataclasses.replace(
+        ms, meta=dataclasses.replace(ms.meta, annotations=annotations)
+    )
+
+
+def test_data_parallel_ranks_are_targets_of_their_own() -> None:
+    """vLLM `--data-parallel-size 2` behind one API server: two targets a pod, one
+    address, each pinned by its rank; with external load balancing each rank has a port."""
+    pods = [pod("p", {"group": "g", "role": "prefill"}, ip="10.0.1.1"),
+            pod("d", {"group": "g", "role": "decode"}, ip="10.0.1.2")]
+    internal = _with_annotations(server(pd=PD), **{"pdgate.io/data-parallel-size": "2"})
+    group = build_snapshot([], [internal], pods).servers[("default", "ms")].groups[0]
+    assert [(e.key, e.port, e.dp_rank, e.rank_pin) for e in group.prefill] == [
+        ("default/p/dp0", 8000, 0, "0"), ("default/p/dp1", 8000, 1, "1"),
+    ]
+    assert [e.label for e in group.decode] == ["d/dp0", "d/dp1"]
+    assert {e.base_url for e in group.decode} == {"http://10.0.1.2:8000"}
+
+    external = _with_annotations(server(), **{"pdgate.io/data-parallel-size": "3",
+                                               "pdgate.io/data-parallel-lb": "External"})
+    ranks = build_snapshot([], [external], [pod("a")]).servers[("default", "ms")].aggregated
+    assert [(e.key, e.port, e.rank_pin) for e in ranks] == [
+        ("default/a/dp0", 8000, None), ("default/a/dp1", 8001, None),
+        ("default/a/dp2", 8002, None),
+    ]
+
+
+@pytest.mark.parametrize("size", ["1", "0", "-2", "many", "257"])
+def test_one_rank_a_pod_unless_the_size_is_a_number_above_one(size: str) -> None:
+    ms = _with_annotations(server(), **{"pdgate.io/data-parallel-size": size})
+    targets = build_snapshot([], [ms], [pod("a")]).servers[("default", "ms")].aggregated
+    assert [(e.key, e.dp_rank, e.rank_pin) for e in targets] == [("default/a", None, None)]
 
 
 def test_pod_matching_both_roles_is_left_out() -> None:

@@ -25,8 +25,80 @@ E2E_BUCKETS: Final = (
 _LABELS: Final = ("model_name", "engine")
 
 
+class MetricFamilies:
+    """One `/metrics` page: vLLM's families, registered once. Every engine of the server
+    (one per data-parallel rank) adds its own children, `engine="<rank>"`, as vLLM's API
+    server exports the engines it serves on one page."""
+
+    def __init__(self, block_size: int | None = None, num_gpu_blocks: int | None = None) -> None:
+        self.registry = reg = CollectorRegistry(auto_describe=True)
+        if block_size is not None and num_gpu_blocks is not None:
+            # vLLM's info gauge: routers size their prefix index from it (blocks x size).
+            Gauge(
+                "vllm:cache_config_info",
+                "Information of the LLMEngine CacheConfig.",
+                ("block_size", "num_gpu_blocks"),
+                registry=reg,
+            ).labels(str(block_size), str(num_gpu_blocks)).set(1.0)
+        self.running = Gauge("vllm:num_requests_running", "Requests running.", _LABELS,
+                             registry=reg)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting.", _LABELS,
+                             registry=reg)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 1 = 100%.", _LABELS,
+                              registry=reg)
+        self.queries = Counter(
+            "vllm:prefix_cache_queries", "Prefix-cache queries, in tokens.", _LABELS, registry=reg
+        )
+        self.hits = Counter(
+            "vllm:prefix_cache_hits", "Prefix-cache hits, in tokens.", _LABELS, registry=reg
+        )
+        self.external_queries = Counter(
+            "vllm:external_prefix_cache_queries",
+            "Prompt tokens looked up in the KV store past the local prefix cache.",
+            _LABELS,
+            registry=reg,
+        )
+        self.external_hits = Counter(
+            "vllm:external_prefix_cache_hits",
+            "Prompt tokens read from the KV store instead of computed.",
+            _LABELS,
+            registry=reg,
+        )
+        self.prompt_tokens = Counter(
+            "vllm:prompt_tokens", "Prefill tokens processed.", _LABELS, registry=reg
+        )
+        self.generation_tokens = Counter(
+            "vllm:generation_tokens", "Tokens generated.", _LABELS, registry=reg
+        )
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Time to first token.",
+            _LABELS,
+            buckets=TTFT_BUCKETS,
+            registry=reg,
+        )
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "End-to-end request latency.",
+            _LABELS,
+            buckets=E2E_BUCKETS,
+            registry=reg,
+        )
+        self.success = Counter(
+            "vllm:request_success",
+            "Requests finished.",
+            (*_LABELS, "finished_reason"),
+            registry=reg,
+        )
+
+    def render(self) -> bytes:
+        """The exposition text."""
+        return generate_latest(self.registry)
+
+
 class EngineMetrics:
-    """The vLLM metrics one engine exposes."""
+    """The vLLM metrics one engine exposes (its children in `families`; a page of its own
+    when none is given)."""
 
     def __init__(
         self,
@@ -36,69 +108,24 @@ class EngineMetrics:
         kv_usage: Callable[[], float],
         block_size: int | None = None,
         num_gpu_blocks: int | None = None,
+        *,
+        families: MetricFamilies | None = None,
+        engine: int = 0,
     ) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
-        labels = (model_name, "0")
-        reg = self.registry
-        if block_size is not None and num_gpu_blocks is not None:
-            # vLLM's info gauge: routers size their prefix index from it (blocks x size).
-            Gauge(
-                "vllm:cache_config_info",
-                "Information of the LLMEngine CacheConfig.",
-                ("block_size", "num_gpu_blocks"),
-                registry=reg,
-            ).labels(str(block_size), str(num_gpu_blocks)).set(1.0)
-        for name, doc, read in (
-            ("vllm:num_requests_running", "Requests running.", running),
-            ("vllm:num_requests_waiting", "Requests waiting.", waiting),
-            ("vllm:kv_cache_usage_perc", "KV-cache usage, 1 = 100%.", kv_usage),
-        ):
-            Gauge(name, doc, _LABELS, registry=reg).labels(*labels).set_function(read)
-        self._queries = Counter(
-            "vllm:prefix_cache_queries", "Prefix-cache queries, in tokens.", _LABELS, registry=reg
-        ).labels(*labels)
-        self._hits = Counter(
-            "vllm:prefix_cache_hits", "Prefix-cache hits, in tokens.", _LABELS, registry=reg
-        ).labels(*labels)
-        self._external_queries = Counter(
-            "vllm:external_prefix_cache_queries",
-            "Prompt tokens looked up in the KV store past the local prefix cache.",
-            _LABELS,
-            registry=reg,
-        ).labels(*labels)
-        self._external_hits = Counter(
-            "vllm:external_prefix_cache_hits",
-            "Prompt tokens read from the KV store instead of computed.",
-            _LABELS,
-            registry=reg,
-        ).labels(*labels)
-        self._prompt_tokens = Counter(
-            "vllm:prompt_tokens", "Prefill tokens processed.", _LABELS, registry=reg
-        ).labels(*labels)
-        self._generation_tokens = Counter(
-            "vllm:generation_tokens", "Tokens generated.", _LABELS, registry=reg
-        ).labels(*labels)
-        self._ttft = Histogram(
-            "vllm:time_to_first_token_seconds",
-            "Time to first token.",
-            _LABELS,
-            buckets=TTFT_BUCKETS,
-            registry=reg,
-        ).labels(*labels)
-        self._e2e = Histogram(
-            "vllm:e2e_request_latency_seconds",
-            "End-to-end request latency.",
-            _LABELS,
-            buckets=E2E_BUCKETS,
-            registry=reg,
-        ).labels(*labels)
-        self._success = Counter(
-            "vllm:request_success",
-            "Requests finished.",
-            (*_LABELS, "finished_reason"),
-            registry=reg,
-        )
-        self._success_length = self._success.labels(*labels, "length")
+        self.families = f = families or MetricFamilies(block_size, num_gpu_blocks)
+        self.registry = f.registry
+        labels = (model_name, str(engine))
+        for gauge, read in ((f.running, running), (f.waiting, waiting), (f.kv_usage, kv_usage)):
+            gauge.labels(*labels).set_function(read)
+        self._queries = f.queries.labels(*labels)
+        self._hits = f.hits.labels(*labels)
+        self._external_queries = f.external_queries.labels(*labels)
+        self._external_hits = f.external_hits.labels(*labels)
+        self._prompt_tokens = f.prompt_tokens.labels(*labels)
+        self._generation_tokens = f.generation_tokens.labels(*labels)
+        self._ttft = f.ttft.labels(*labels)
+        self._e2e = f.e2e.labels(*labels)
+        self._success_length = f.success.labels(*labels, "length")
 
     def observe_prefix_cache(self, queried_tokens: int, hit_tokens: int) -> None:
         self._queries.inc(queried_tokens)
@@ -118,5 +145,5 @@ class EngineMetrics:
         self._success_length.inc()
 
     def render(self) -> bytes:
-        """The exposition text."""
-        return generate_latest(self.registry)
+        """The exposition text (of every engine on the page)."""
+        return self.families.render()

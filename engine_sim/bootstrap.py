@@ -18,7 +18,9 @@ mooncake_utils.py `MooncakeBootstrapServer`; mooncake_connector.py
   here `--bootstrap-port`, prefill pods only, bound on `--host`) answers
   `{"<dp_rank>": {"engine_id": str, "worker_addr": {"<tp_rank>": {"<pp_rank>":
   "tcp://host:port"}}}}` (FastAPI turns the int keys into strings). `{}` until a worker
-  has registered. Newer vLLM adds fields (`tp_size`, `pp_size`, ...); readers ignore them.
+  has registered; with data parallelism one entry per rank, its engine id
+  `<--engine-id>_dp<rank>`. Newer vLLM adds fields (`tp_size`, `pp_size`, ...); readers
+  ignore them.
   The simulator has no ZMQ side channel: its worker address names its HTTP port.
 - `POST /register` `{engine_id, dp_rank, tp_rank, pp_rank, addr}` -> `{"status": "ok"}`;
   400 when the rank already has another engine id or the worker slot is taken.
@@ -177,9 +179,10 @@ class BootstrapServer:
             await self._runner.cleanup()
             self._runner = None
 
-    def register_self(self, engine_id: str, host: str, port: int) -> None:
-        """Register this pod's only worker (dp 0, tp 0, pp 0), as vLLM's worker does at start."""
-        self.registry.register(engine_id, 0, 0, 0, f"tcp://{host}:{port}")
+    def register_self(self, engine_id: str, host: str, port: int, dp_rank: int = 0) -> None:
+        """Register the worker (tp 0, pp 0) of this pod's engine `dp_rank`, as vLLM's
+        worker does at start: one server lists every data-parallel rank of the pod."""
+        self.registry.register(engine_id, dp_rank, 0, 0, f"tcp://{host}:{port}")
 
     async def query(self, request: web.Request) -> web.Response:
         self.queries += 1

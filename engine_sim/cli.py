@@ -104,6 +104,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--max-num-seqs", type=int, default=256, help="requests running at once")
     add(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=1,
+        help="engine cores behind this server, ranks 0..N-1, each with its own cache, "
+        "scheduler, KV events ports (+rank) and engine id (_dp<rank>); X-data-parallel-rank "
+        "pins a request, else the least loaded rank serves it (vLLM's flag)",
+    )
+    add(
         "--max-num-batched-tokens",
         type=int,
         default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -297,8 +306,8 @@ def _parse(argv: Sequence[str] | None) -> tuple[SimConfig, argparse.Namespace]:
         parser.error("--mooncake-master and --metadata-server go together")
     if args.role != "both" and args.mooncake_master is None:
         parser.error(f"--role {args.role} needs --mooncake-master and --metadata-server")
-    for name in ("max_num_seqs", "max_num_batched_tokens", "kv_capacity_blocks", "block_size",
-                 "kv_block_bytes"):
+    for name in ("max_num_seqs", "data_parallel_size", "max_num_batched_tokens",
+                 "kv_capacity_blocks", "block_size", "kv_block_bytes"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")
     if args.bootstrap_port is not None and not 0 <= args.bootstrap_port < 65536:
@@ -354,6 +363,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[SimConfig, argparse.Namespace]:
         python_hash_seed=args.python_hash_seed,
         block_ids_per_group=args.block_ids_per_group,
         max_num_seqs=args.max_num_seqs,
+        data_parallel_size=args.data_parallel_size,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_waiting=args.max_waiting,
         max_model_len=args.max_model_len,

@@ -56,6 +56,9 @@ class SimConfig:
     # transfer cost (bytes per token / bandwidth), or this fixed cost per token if set.
     store_prefix_cache: bool = False
     store_load_per_token_s: float | None = None
+    # vLLM's --data-parallel-size with one API server: ranks 0..N-1, each a whole engine
+    # (engine_sim.data_parallel).
+    data_parallel_size: int = 1
     max_num_seqs: int = 256
     # Tokens a step computes at most: a longer prompt is prefilled in chunks (compute.py).
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS

@@ -1,7 +1,9 @@
 """The simulated engine: admission, prefill (local, cached or from the store), token pacing.
 
-One `Engine` per process owns the prefix cache, the scheduler, the stats and the metrics;
-HTTP handling (`server.py`) only parses, calls `Engine.run` and formats.
+One `Engine` per engine core owns the prefix cache, the scheduler, the stats and the
+metrics: one per process, or one per data-parallel rank (`data_parallel.py`) sharing the
+tokenizer, the KV store and the `/metrics` page. HTTP handling (`server.py`) only parses,
+calls `Engine.run` and formats.
 """
 
 from __future__ import annotations
@@ -20,12 +22,13 @@ from engine_sim.bootstrap import BootstrapServer, Rendezvous
 from engine_sim.cache_events import CacheEventSink
 from engine_sim.compute import ComputeLine, prefill_chunks
 from engine_sim.config import SimConfig
+from engine_sim.data_parallel import rank_engine_id
 from engine_sim.generation import local_seed, output_pieces, store_seed
 from engine_sim.kv_params import TransferMode, TransferPlan, build_prefill_handle
 from engine_sim.kv_transfer import ExportResult, ImportResult, KVTransferError, StoreKVTransfer
 from engine_sim.kvstore import KVStore
 from engine_sim.latency import pause
-from engine_sim.metrics import EngineMetrics
+from engine_sim.metrics import EngineMetrics, MetricFamilies
 from engine_sim.pending_blocks import PendingBlocks
 from engine_sim.prefix_cache import CacheLease, PrefixCache, PublishCursor
 from engine_sim.prompts import PromptTokenizer, load_tokenizer
@@ -69,8 +72,13 @@ class Engine:
         store: KVStore | None,
         on_cache_event: CacheEventSink | None = None,
         tokenizer: PromptTokenizer | None = None,
+        *,
+        rank: int = 0,
+        metric_families: MetricFamilies | None = None,
     ) -> None:
         self.config = config
+        self.rank = rank  # data-parallel rank (0 without data parallelism)
+        self.engine_id = rank_engine_id(config.engine_id, rank, config.data_parallel_size)
         self.tokenizer = tokenizer or load_tokenizer(config.tokenizer, config.chat_template)
         self.limits = Limits(config.model, config.max_model_len, config.default_max_tokens,
                              tuple(name for name, _ in config.lora_modules))
@@ -86,7 +94,7 @@ class Engine:
         )
         # Upstream vLLM MooncakeConnector: transfer-id rendezvous, bootstrap server (prefill).
         self.rendezvous = (
-            Rendezvous(self.transfer, config.engine_id, config.kv_wait_timeout_s)
+            Rendezvous(self.transfer, self.engine_id, config.kv_wait_timeout_s)
             if self.transfer
             else None
         )
@@ -102,6 +110,8 @@ class Engine:
             kv_usage=self.cache.usage,
             block_size=config.block_size,
             num_gpu_blocks=config.kv_capacity_blocks,
+            families=metric_families,
+            engine=rank,
         )
         self.latency = config.latency
         self.address = (config.advertise_host, config.port)  # updated once the port is bound
@@ -147,6 +157,7 @@ class Engine:
                     prompt_tokens=len(request.token_ids),
                     cached_tokens=generation.cached_tokens if generation else 0,
                     error=error,
+                    rank=self.rank if self.config.data_parallel_size > 1 else None,
                 )
             )
 
@@ -276,7 +287,7 @@ class Engine:
                     block_ids += [_NULL_BLOCK_ID] * (len(hashes) - len(block_ids))
                     host, port = self.address
                     handle = build_prefill_handle(
-                        engine_id=config.engine_id,
+                        engine_id=self.engine_id,
                         request_id=internal_id,
                         host=host,
                         port=port,
@@ -348,9 +359,11 @@ class Engine:
     def stats_json(self) -> dict[str, Any]:
         """`/sim/stats`: identity, load and counters."""
         config = self.config
+        rank = {"data_parallel_rank": self.rank} if config.data_parallel_size > 1 else {}
         return {
             "role": config.role,
-            "engine_id": config.engine_id,
+            "engine_id": self.engine_id,
+            **rank,
             "pod_name": config.pod_name,
             "model": config.model,
             "running": self.running,

@@ -10,7 +10,8 @@ the releases before, which router decoders were first written against:
   multipart message per batch: `[topic, seq as 8-byte big-endian, msgpack KVEventBatch]`;
   the topic is "" and seq counts 0, 1, 2, ... from process start;
 - `KVEventBatch` is `[ts, events, data_parallel_rank]` (msgspec `array_like=True,
-  omit_defaults=True`; data_parallel_rank is 0); each event is a tagged array (`tag=True`;
+  omit_defaults=True`; data_parallel_rank is the engine's rank, 0 without data
+  parallelism); each event is a tagged array (`tag=True`;
   msgspec writes every field of an array_like struct, defaults included):
       ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id,
        medium, lora_name, extra_keys, group_idx, kv_cache_spec_kind,
@@ -30,6 +31,11 @@ the releases before, which router decoders were first written against:
   `buffer_steps` batches: a client sends `[b"", start seq (8 bytes big-endian)]` and gets
   `[b"", seq, payload]` for every buffered batch with seq >= start, then
   `[b"", -1 (8 bytes, signed), b""]` (vLLM's `_service_replay`).
+
+Data parallelism (`--data-parallel-size N`): rank r is an engine of its own with its own
+publisher on the events port + r and the replay port + r (vLLM's
+`ZmqEventPublisher.offset_endpoint_port`), its own sequence numbers, and r as every batch's
+`data_parallel_rank`; the topic is the same. Rank 0 is what a server of one engine is.
 
 Media: the pod's own cache publishes `medium="GPU"`. Blocks a prefill pod writes to the
 Mooncake Store are published as vLLM's `MooncakeStoreConnector` publishes them: one
@@ -67,6 +73,7 @@ from aiohttp import web
 from engine_sim.cache_events import BlockRemoved as CacheRemoved
 from engine_sim.cache_events import BlockStored as CacheStored
 from engine_sim.cache_events import CacheEvent
+from engine_sim.data_parallel import rank_query
 from router.kvhash.vllm import block_extra_keys
 
 if TYPE_CHECKING:
@@ -482,8 +489,17 @@ def _port(configured: int | None, default: int) -> tuple[int, bool]:
     return (default, False) if configured is None else (configured, True)
 
 
-def start_kv_events(config: SimConfig) -> KVEventPublisher | None:
-    """The pod's publisher, or None when disabled or (default ports only) not bindable.
+def offset_port(port: int, rank: int) -> int:
+    """Rank `rank`'s port for base `port` (vLLM's `offset_endpoint_port`: port + rank)."""
+    if port + rank > 65535:
+        raise KVEventsError(f"kv events port {port} + data parallel rank {rank} is past 65535")
+    return port + rank
+
+
+def start_kv_events(config: SimConfig, rank: int = 0) -> KVEventPublisher | None:
+    """Rank `rank`'s publisher (the pod's, without data parallelism), or None when
+    disabled or (default ports only) not bindable. Its ports are the configured ones plus
+    the rank.
 
     With the default ports a bind failure is only logged: several simulated pods may share
     one address in tests. An explicit `--kv-events-port` that cannot be bound raises
@@ -493,16 +509,17 @@ def start_kv_events(config: SimConfig) -> KVEventPublisher | None:
     if port == 0:
         return None
     replay_port, replay_explicit = _port(config.kv_events_replay_port, DEFAULT_REPLAY_PORT)
-    endpoint = tcp_endpoint(config.host, port)
-    replay = tcp_endpoint(config.host, replay_port) if replay_port else None
+    endpoint = tcp_endpoint(config.host, offset_port(port, rank))
+    replay = tcp_endpoint(config.host, offset_port(replay_port, rank)) if replay_port else None
     try:
-        publisher = KVEventPublisher(endpoint, replay, layout=config.kv_events_layout)
+        publisher = KVEventPublisher(endpoint, replay, data_parallel_rank=rank,
+                                     layout=config.kv_events_layout)
     except zmq.ZMQError as exc:
         if explicit or replay_explicit:
             raise KVEventsError(f"kv events cannot bind {endpoint} / {replay}: {exc}") from exc
         log.warning("kv events not published: cannot bind %s / %s: %s", endpoint, replay, exc)
         return None
-    log.info("kv events on %s (replay %s)", endpoint, replay or "off")
+    log.info("kv events of rank %d on %s (replay %s)", rank, endpoint, replay or "off")
     return publisher
 
 
@@ -512,21 +529,41 @@ def cached_block_hashes(engine: Engine) -> list[int]:
     return list(engine.cache._blocks)
 
 
-def add_debug_routes(app: web.Application, engine: Engine) -> None:
+def cache_view(engine: Engine) -> dict[str, Any]:
+    """One engine's `/sim/cache` body (flushing its pending events first)."""
+    publisher = engine.kv_events
+    if publisher is not None:
+        publisher.flush()
+    return {
+        "block_size": engine.config.block_size,
+        "capacity_blocks": engine.cache.capacity,
+        "block_hashes": cached_block_hashes(engine),
+        "kv_events": publisher.stats_json() if publisher is not None else None,
+    }
+
+
+def add_debug_routes(app: web.Application, engines: Sequence[Engine]) -> None:
     """`GET /sim/cache`: the prefix cache's block hashes, and the KV events sequence number
     of the last batch describing them (pending events are flushed first), so a test can
-    wait until a subscriber has seen that batch and compare."""
+    wait until a subscriber has seen that batch and compare.
+
+    With data parallelism (several engines) the body is `{"data_parallel_size": N,
+    "ranks": [<that body and "data_parallel_rank"> per rank]}`; `?rank=R` answers rank R's
+    body alone, as a server of one engine does."""
 
     async def sim_cache(request: web.Request) -> web.Response:
-        publisher = engine.kv_events
-        if publisher is not None:
-            publisher.flush()
-        body = {
-            "block_size": engine.config.block_size,
-            "capacity_blocks": engine.cache.capacity,
-            "block_hashes": cached_block_hashes(engine),
-            "kv_events": publisher.stats_json() if publisher is not None else None,
-        }
+        try:
+            rank = rank_query(request.query.get("rank"), len(engines))
+        except ValueError as exc:
+            return web.Response(status=400, text=str(exc))
+        body: dict[str, Any]
+        if rank is not None or len(engines) == 1:
+            body = cache_view(engines[rank or 0])
+        else:
+            body = {
+                "data_parallel_size": len(engines),
+                "ranks": [{"data_parallel_rank": e.rank, **cache_view(e)} for e in engines],
+            }
         return web.Response(body=orjson.dumps(body), content_type="application/json")
 
     app.router.add_get("/sim/cache", sim_cache)

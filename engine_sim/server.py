@@ -18,6 +18,7 @@ from typing import Any, Final
 import orjson
 from aiohttp import web
 
+from engine_sim.data_parallel import RANK_HEADER, EngineGroup, rank_query
 from engine_sim.engine import Engine, Generation
 from engine_sim.faults import (
     CRASH_EXIT_STATUS,
@@ -89,10 +90,12 @@ def _error(exc: RequestError | KVTransferError | QueueFullError, request_id: str
 
 
 class SimServer:
-    """Routes requests to one `Engine`."""
+    """Routes requests to one `Engine`, or to one of a data-parallel group's."""
 
-    def __init__(self, engine: Engine, faults: Faults | None = None) -> None:
-        self.engine = engine
+    def __init__(self, engines: Engine | EngineGroup, faults: Faults | None = None) -> None:
+        self.group = engines if isinstance(engines, EngineGroup) else EngineGroup([engines])
+        # Rank 0: what every rank shares (config, tokenizer, limits, the /metrics page).
+        self.engine = self.group.engines[0]
         self.faults = faults or Faults()
         self.cancelled = 0  # generate requests whose client went away (the handler was cancelled)
         self._created = int(time.time())
@@ -159,22 +162,24 @@ class SimServer:
                 plan = parse_kv_transfer_params(parsed.kv_transfer_params)
             except ValueError as exc:
                 raise RequestError(str(exc), param="kv_transfer_params") from exc
-            if fault is not None and fault.kv_missing and plan.mode is TransferMode.IMPORT:
-                self.faults.count("kv_missing")
-                raise KVTransferError(
-                    "missing", 503, "KV block 0 is not in the store (engine_sim fault injection)"
-                )
-            response_id = f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-{request_id}"
-            # Like vLLM, the engine-internal id adds random characters to the one we were given.
-            internal_id = f"{response_id}-{secrets.token_hex(4)}"
-            async with self.engine.run(parsed, internal_id, plan, arrival) as generation:
-                if parsed.stream:
-                    return await self._stream(
-                        request, parsed, generation, response_id, request_id, fault
+            with self.group.route(request.headers.get(RANK_HEADER)) as engine:
+                if fault is not None and fault.kv_missing and plan.mode is TransferMode.IMPORT:
+                    self.faults.count("kv_missing")
+                    raise KVTransferError(
+                        "missing", 503,
+                        "KV block 0 is not in the store (engine_sim fault injection)",
                     )
-                return await self._complete(
-                    request, parsed, generation, response_id, request_id, fault
-                )
+                response_id = f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-{request_id}"
+                # Like vLLM, the engine-internal id adds random characters to the one given.
+                internal_id = f"{response_id}-{secrets.token_hex(4)}"
+                async with engine.run(parsed, internal_id, plan, arrival) as generation:
+                    if parsed.stream:
+                        return await self._stream(
+                            request, engine, parsed, generation, response_id, request_id, fault
+                        )
+                    return await self._complete(
+                        request, engine, parsed, generation, response_id, request_id, fault
+                    )
         except (RequestError, KVTransferError, QueueFullError) as exc:
             return _error(exc, request_id)
         except asyncio.CancelledError:
@@ -212,6 +217,7 @@ class SimServer:
     async def _complete(
         self,
         request: web.Request,
+        engine: Engine,
         parsed: ParsedRequest,
         generation: Generation,
         response_id: str,
@@ -226,9 +232,9 @@ class SimServer:
             if fault.no_kv_params and kv_transfer_params is not None:
                 self.faults.count("no_kv_params")
                 kv_transfer_params = None
-        if self.engine.paces_tokens:
+        if engine.paces_tokens:
             for _ in range(len(generation.pieces) - 1):
-                await self.engine.token_gap()
+                await engine.token_gap()
         build = chat_completion if parsed.endpoint == "chat" else text_completion
         body = build(
             response_id,
@@ -243,6 +249,7 @@ class SimServer:
     async def _stream(
         self,
         request: web.Request,
+        engine: Engine,
         parsed: ParsedRequest,
         generation: Generation,
         response_id: str,
@@ -258,13 +265,13 @@ class SimServer:
             if fault is not None and fault.drop_after_chunks is not None:
                 head = writer.start()
                 for i, piece in enumerate(pieces[: fault.drop_after_chunks]):
-                    if i and self.engine.paces_tokens:
-                        await self.engine.token_gap()
+                    if i and engine.paces_tokens:
+                        await engine.token_gap()
                     await response.write(head + writer.token(piece, i == last))
                     head = b""
                 self._drop_connection(request)
                 return response
-            if not self.engine.paces_tokens:
+            if not engine.paces_tokens:
                 out = [writer.start()]
                 out.extend(writer.token(piece, i == last) for i, piece in enumerate(pieces))
                 out.append(writer.end(len(pieces)))
@@ -272,7 +279,7 @@ class SimServer:
             else:
                 await response.write(writer.start() + writer.token(pieces[0], last == 0))
                 for i in range(1, len(pieces)):
-                    await self.engine.token_gap()
+                    await engine.token_gap()
                     await response.write(writer.token(pieces[i], i == last))
                 await response.write(writer.end(len(pieces)))
             await response.write_eof()
@@ -432,31 +439,42 @@ class SimServer:
                                    self.engine.limits)
             plan = parse_kv_transfer_params(None)
             internal_id = f"resp_{request_id}-{secrets.token_hex(4)}"
-            async with self.engine.run(parsed, internal_id, plan, arrival) as generation:
-                writer = ResponseWriter(request_id, parsed.model, body,
-                                        generation.prompt_tokens)
-                pieces = generation.pieces
-                if body.get("stream") is not True:
-                    if self.engine.paces_tokens:
-                        for _ in range(len(pieces) - 1):
-                            await self.engine.token_gap()
-                    return _json(writer.response("".join(pieces), len(pieces)),
-                                 request_id=request_id)
-                response = web.StreamResponse(
-                    headers={**_SSE_HEADERS, REQUEST_ID_HEADER: request_id})
-                await response.prepare(request)
-                await response.write(writer.start())
-                for i, piece in enumerate(pieces):
-                    if i and self.engine.paces_tokens:
-                        await self.engine.token_gap()
-                    await response.write(writer.delta(piece))
-                await response.write(writer.end("".join(pieces), len(pieces)))
-                await response.write_eof()
-                return response
+            with self.group.route(request.headers.get(RANK_HEADER)) as engine:
+                async with engine.run(parsed, internal_id, plan, arrival) as generation:
+                    return await self._respond(request, engine, body, parsed, generation,
+                                               request_id)
         except (RequestError, KVTransferError, QueueFullError) as exc:
             return _error(exc, request_id)
         except ChatInputError as exc:
             return _error(RequestError(str(exc), param="input"), request_id)
+
+    async def _respond(
+        self,
+        request: web.Request,
+        engine: Engine,
+        body: dict[str, Any],
+        parsed: ParsedRequest,
+        generation: Generation,
+        request_id: str,
+    ) -> web.StreamResponse:
+        """`/v1/responses`: a `Response` object, or its stream of named events."""
+        writer = ResponseWriter(request_id, parsed.model, body, generation.prompt_tokens)
+        pieces = generation.pieces
+        if body.get("stream") is not True:
+            if engine.paces_tokens:
+                for _ in range(len(pieces) - 1):
+                    await engine.token_gap()
+            return _json(writer.response("".join(pieces), len(pieces)), request_id=request_id)
+        response = web.StreamResponse(headers={**_SSE_HEADERS, REQUEST_ID_HEADER: request_id})
+        await response.prepare(request)
+        await response.write(writer.start())
+        for i, piece in enumerate(pieces):
+            if i and engine.paces_tokens:
+                await engine.token_gap()
+            await response.write(writer.delta(piece))
+        await response.write(writer.end("".join(pieces), len(pieces)))
+        await response.write_eof()
+        return response
 
     async def _json_object(self, request: web.Request) -> dict[str, Any]:
         try:
@@ -520,7 +538,19 @@ class SimServer:
         )
 
     async def sim_stats(self, request: web.Request) -> web.Response:
-        return _json({**self.engine.stats_json(), "cancelled": self.cancelled,
+        """One engine's stats; with data parallelism `{"data_parallel_size": N, "ranks":
+        [each rank's]}`, or rank R's alone with `?rank=R`. Then the server's own fields."""
+        engines = self.group.engines
+        try:
+            rank = rank_query(request.query.get("rank"), len(engines))
+        except ValueError as exc:
+            return _json(error_body(str(exc), 400), 400)
+        if rank is not None or len(engines) == 1:
+            stats = engines[rank or 0].stats_json()
+        else:
+            stats = {"data_parallel_size": len(engines),
+                     "ranks": [engine.stats_json() for engine in engines]}
+        return _json({**stats, "cancelled": self.cancelled,
                       "traceparents": list(self.traceparents)})
 
     async def get_faults(self, request: web.Request) -> web.Response:

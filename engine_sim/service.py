@@ -1,4 +1,5 @@
-"""One engine's life: connect the KV store, serve HTTP until told to stop, close the store."""
+"""One server's life: connect the KV store, start its engine (one per data-parallel rank),
+serve HTTP until told to stop, close the store."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ from aiohttp import web
 
 from engine_sim.bootstrap import start_bootstrap
 from engine_sim.config import SimConfig
+from engine_sim.data_parallel import EngineGroup
 from engine_sim.engine import Engine
 from engine_sim.faults import Faults
-from engine_sim.kv_events_pub import add_debug_routes, start_kv_events
+from engine_sim.kv_events_pub import KVEventPublisher, add_debug_routes, start_kv_events
 from engine_sim.kvstore import KVStore, MooncakeConfig, MooncakeKVStore
+from engine_sim.metrics import MetricFamilies
 from engine_sim.server import SimServer
 
 log = logging.getLogger(__name__)
@@ -42,14 +45,11 @@ async def serve(config: SimConfig, stop: asyncio.Event) -> None:
     """Run until `stop` is set. The store connects before the port opens, so /health
     answering means the pod can move KV."""
     store = await connect_store(config)
-    kv_events = None
+    publishers: list[KVEventPublisher] = []
     try:
-        # Before the engine: its prefix cache reports every block from the first request on.
-        kv_events = start_kv_events(config)
-        engine = Engine(config, store, kv_events.on_cache_event if kv_events else None)
-        engine.kv_events = kv_events
-        app = SimServer(engine, Faults(config.faults)).app()
-        add_debug_routes(app, engine)  # GET /sim/cache
+        engines = start_engines(config, store, publishers)
+        app = SimServer(EngineGroup(engines), Faults(config.faults)).app()
+        add_debug_routes(app, engines)  # GET /sim/cache
         runner = web.AppRunner(
             app,
             access_log=None,
@@ -62,13 +62,16 @@ async def serve(config: SimConfig, stop: asyncio.Event) -> None:
         bootstrap = None
         try:
             # Before the HTTP port: once /health answers, /query lists this engine.
-            bootstrap = engine.bootstrap = await start_bootstrap(config)
+            bootstrap = await start_bootstrap(config)
             site = web.TCPSite(runner, config.host, config.port, backlog=LISTEN_BACKLOG)
             await site.start()
             port = int(runner.addresses[0][1])
-            engine.address = (config.advertise_host, port)
-            if bootstrap is not None:
-                bootstrap.register_self(config.engine_id, config.advertise_host, port)
+            for engine in engines:
+                engine.bootstrap = bootstrap
+                engine.address = (config.advertise_host, port)
+                if bootstrap is not None:
+                    bootstrap.register_self(engine.engine_id, config.advertise_host, port,
+                                            engine.rank)
             if config.port_file:
                 _write_atomically(Path(config.port_file), f"{port}\n")
             log.info(
@@ -87,10 +90,36 @@ async def serve(config: SimConfig, stop: asyncio.Event) -> None:
                 await bootstrap.stop()
             await runner.cleanup()
     finally:
-        if kv_events is not None:
-            kv_events.close()
+        for publisher in publishers:
+            publisher.close()
         if store is not None:
             await store.close()
+
+
+def start_engines(
+    config: SimConfig, store: KVStore | None, publishers: list[KVEventPublisher]
+) -> list[Engine]:
+    """One engine per data-parallel rank, each with its KV events publisher (appended to
+    `publishers` as it starts, for the caller to close), sharing the store, the tokenizer
+    and the `/metrics` page."""
+    families = MetricFamilies(config.block_size, config.kv_capacity_blocks)
+    engines: list[Engine] = []
+    for rank in range(config.data_parallel_size):
+        # Before the engine: its prefix cache reports every block from the first request on.
+        kv_events = start_kv_events(config, rank)
+        if kv_events is not None:
+            publishers.append(kv_events)
+        engine = Engine(
+            config,
+            store,
+            kv_events.on_cache_event if kv_events else None,
+            engines[0].tokenizer if engines else None,
+            rank=rank,
+            metric_families=families,
+        )
+        engine.kv_events = kv_events
+        engines.append(engine)
+    return engines
 
 
 def _write_atomically(path: Path, text: str) -> None:

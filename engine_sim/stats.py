@@ -18,6 +18,8 @@ class RequestRecord:
 
     `kind`: prefill (exported KV), decode (came with a handle), both (plain request).
     `blocks`: KV blocks moved through the store (exported by prefill, read by decode).
+    `rank`: the data-parallel rank that served it; None (left out of the JSON) when the
+    server has one engine.
     """
 
     request_id: str
@@ -27,6 +29,13 @@ class RequestRecord:
     prompt_tokens: int
     cached_tokens: int
     error: str | None = None
+    rank: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        if self.rank is None:
+            del out["rank"]
+        return out
 
 
 class SimStats:
@@ -60,5 +69,5 @@ class SimStats:
                 "queries": self.prefix_cache_queries,
                 "hits": self.prefix_cache_hits,
             },
-            "recent": [asdict(record) for record in self._recent],
+            "recent": [record.to_json() for record in self._recent],
         }

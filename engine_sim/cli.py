@@ -206,7 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-events-replay-port",
         type=int,
         help="KV events replay (ZMQ ROUTER) port; 0: no replay "
-        f"(default: {DEFAULT_REPLAY_PORT}, skipped with a warning if taken)",
+        f"(default: {DEFAULT_REPLAY_PORT}, skipped with a warning if taken; with "
+        "--data-parallel-size > 1 off unless given)",
     )
     add(
         "--store-prefix-cache",
@@ -299,6 +300,24 @@ def parse_config(argv: Sequence[str] | None = None) -> SimConfig:
     return _parse(argv)[0]
 
 
+def _rank_ports(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Rank r binds the events and replay ports + r: the two runs must not overlap.
+
+    With the default ports they would (5557 + 1 is 5558), so with data parallelism replay
+    is off unless a port is given, as in vLLM, whose replay socket is off by default; a
+    given replay port inside the events ports' run is refused."""
+    size = args.data_parallel_size
+    events = DEFAULT_EVENTS_PORT if args.kv_events_port is None else args.kv_events_port
+    if size == 1 or not events:
+        return
+    if args.kv_events_replay_port is None:
+        args.kv_events_replay_port = 0
+    replay = args.kv_events_replay_port
+    if replay and abs(replay - events) < size:
+        parser.error(f"--kv-events-replay-port {replay} is inside the events ports "
+                     f"{events}..{events + size - 1} of {size} ranks")
+
+
 def _parse(argv: Sequence[str] | None) -> tuple[SimConfig, argparse.Namespace]:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -325,6 +344,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[SimConfig, argparse.Namespace]:
         value = getattr(args, name)
         if value is not None and not 0 <= value < 65536:
             parser.error(f"--{name.replace('_', '-')} must be a TCP port (0: off)")
+    _rank_ports(parser, args)
     try:
         faults = _fault_spec(args)
     except ValueError as exc:

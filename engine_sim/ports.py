@@ -57,6 +57,23 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     raise RuntimeError(f"no {count} free ports in {span} on {host}")
 
 
+def free_port_runs(runs: int, length: int, host: str = "127.0.0.1") -> list[int]:
+    """`runs` base ports, each the first of `length` consecutive ports that were free a
+    moment ago, no two runs overlapping: the ports of a data-parallel engine, whose rank r
+    binds base + r."""
+    bases: list[int] = []
+    taken: set[int] = set()
+    for base in free_ports(64, host):
+        span = set(range(base, base + length))
+        if span & taken or not all(_can_bind(host, port) for port in span):
+            continue
+        bases.append(base)
+        taken |= span
+        if len(bases) == runs:
+            return bases
+    raise RuntimeError(f"no {runs} runs of {length} free ports on {host}")
+
+
 def _kernel_ports(count: int, host: str) -> list[int]:
     sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
     try:

@@ -64,7 +64,9 @@ Endpoint per pod: `tcp://<pod ip>:<port>`, port 5557 unless the ModelServer's an
 (default 5558; "0" or "none" disables replay); topic `pdgate.io/kv-events-topic`
 (default "", every topic); `pdgate.io/kv-events: "false"` disables the subscription.
 Data-parallel rank r of a pod (`router.view.DataParallel`) publishes on both ports + r,
-as vLLM offsets a rank's endpoints, and is a stream (and an index entry) of its own.
+as vLLM offsets a rank's endpoints, and is a stream (and an index entry) of its own; where
+the ranks' two runs of ports overlap (the defaults do: 5557 + 1 is 5558) the engines
+cannot have replay sockets, so none is asked.
 Only prefill and aggregated pods are subscribed (decode pods are not scored by prefix).
 
 Keys: each ModelServer gets a `KeySpace` (`key_spaces`: the `preciseIndex` defaults and
@@ -100,7 +102,7 @@ from router.scheduling.kv_wire import (
 )
 from router.scheduling.metrics import SchedulerMetrics
 from router.scheduling.precise_index import PrecisePrefixIndex
-from router.view import Endpoint, ServerPods, Snapshot
+from router.view import Endpoint, ServerPods, Snapshot, data_parallel
 
 log = logging.getLogger("pdgate.scheduling.kv_events")
 
@@ -343,6 +345,9 @@ def stream_targets(
         if port is None:
             continue
         replay = _port(annotations, REPLAY_PORT_ANNOTATION, replay_port)
+        ranks = data_parallel(server.server).size
+        if replay is not None and abs(replay - port) < ranks:
+            replay = None  # the ranks' runs of ports overlap: the engines cannot replay
         topic = annotations.get(TOPIC_ANNOTATION, "")
         scope = scope_of(server)
         space = spaces.get(scope) if spaces is not None else None

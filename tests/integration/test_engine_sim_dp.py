@@ -13,7 +13,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from tests.unit.test_engine_sim_data_parallel import port_runs
+from engine_sim.ports import free_port_runs
 from tests.vllm_kv_events import MapBlockStored, map_decoder
 
 if TYPE_CHECKING:
@@ -72,7 +72,7 @@ async def stored_batches(sub: zmq.asyncio.Socket, upto: int) -> list[Any]:
 async def test_two_ranks_two_caches_two_event_ports_one_metrics_page(
     sim_pod: Callable[..., SimPod],
 ) -> None:
-    base, replay = port_runs(2, 2)
+    base, replay = free_port_runs(2, 2)
     pod = sim_pod(role="both", fast=True, data_parallel_size=2, kv_events_port=base,
                   kv_events_replay_port=replay)
     context = zmq.asyncio.Context()

@@ -5,7 +5,6 @@ engine, engine ids per rank, and a PD handoff between ranks of two servers."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -33,7 +32,7 @@ from engine_sim.kv_events_pub import KVEventPublisher, start_kv_events
 from engine_sim.kv_params import parse_kv_transfer_params
 from engine_sim.kvstore import MemoryKVStore
 from engine_sim.latency import LatencyModel
-from engine_sim.ports import free_ports
+from engine_sim.ports import free_port_runs, free_ports
 from engine_sim.prompts import STAND_IN
 from engine_sim.protocol import RequestError, parse_request
 from engine_sim.service import start_engines
@@ -51,31 +50,6 @@ def config(**changes: Any) -> SimConfig:
     }  # fmt: skip
     fields.update(changes)
     return SimConfig(**fields)
-
-
-def port_runs(runs: int, length: int) -> list[int]:
-    """`runs` base ports, each the first of `length` consecutive ports free a moment ago,
-    the runs apart (rank r binds base + r)."""
-    bases: list[int] = []
-    taken: set[int] = set()
-    for base in free_ports(64, HOST):
-        span = set(range(base, base + length))
-        if span & taken or not all(_bindable(port) for port in span):
-            continue
-        bases.append(base)
-        taken |= span
-        if len(bases) == runs:
-            return bases
-    raise RuntimeError(f"no {runs} runs of {length} free ports")
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind((HOST, port))
-        except OSError:
-            return False
-    return True
 
 
 @pytest.fixture
@@ -252,7 +226,7 @@ async def _replay(context: zmq.asyncio.Context, port: int) -> list[bytes]:
 async def test_rank_publishes_on_offset_ports_with_its_rank(layout: str) -> None:
     """vLLM's `offset_endpoint_port`: rank r binds the events port + r and the replay
     port + r; every batch says `data_parallel_rank` r (decoded with vLLM's structs)."""
-    base, replay = port_runs(2, 2)
+    base, replay = free_port_runs(2, 2, HOST)
     cfg = config(kv_events_port=base, kv_events_replay_port=replay, kv_events_layout=layout)
     publishers: list[KVEventPublisher] = []
     context = zmq.asyncio.Context()
@@ -340,3 +314,17 @@ async def test_prefill_at_one_rank_hands_its_ids_and_decode_at_another_loads_it(
         assert decode.engines[1].stats_json()["recent"] == []
     finally:
         await bootstrap.stop()
+
+
+def test_rank_ports_do_not_overlap() -> None:
+    """Rank r binds both ports + r: by default replay is off with several ranks (5557 + 1
+    is 5558), and a replay port inside the events ports' run is refused."""
+    from engine_sim.cli import parse_config
+
+    pod = ["--role", "both", "--port", "0", "--model", "m"]
+    assert parse_config([*pod, "-dp", "2"]).kv_events_replay_port == 0
+    assert parse_config(pod).kv_events_replay_port is None  # one rank: the default replay
+    ranks = [*pod, "--data-parallel-size", "4", "--kv-events-port", "6000"]
+    assert parse_config([*ranks, "--kv-events-replay-port", "6004"]).kv_events_replay_port == 6004
+    with pytest.raises(SystemExit):
+        parse_config([*ranks, "--kv-events-replay-port", "6003"])

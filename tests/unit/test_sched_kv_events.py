@@ -534,7 +534,8 @@ def test_each_data_parallel_rank_is_a_stream_on_the_ports_plus_its_rank() -> Non
     """vLLM's rank r binds the configured events and replay ports + r."""
     ranks = tuple(Endpoint("ns", "pre", "10.0.0.1", 8000, "prefill", "g0", dp_rank=rank,
                            rank_pin=str(rank)) for rank in (0, 1, 2))
-    server = ServerPods(server=_server({"pdgate.io/kv-events-port": "6000"}), groups=(
+    three = {"pdgate.io/data-parallel-size": "3"}
+    server = ServerPods(server=_server({**three, "pdgate.io/kv-events-port": "6000"}), groups=(
         PDGroupPods("g0", ranks, (Endpoint("ns", "dec", "10.0.0.2", 8000, "decode", "g0"),)),
     ))
     targets = stream_targets(Snapshot(servers={("default", "srv"): server}))
@@ -543,6 +544,13 @@ def test_each_data_parallel_rank_is_a_stream_on_the_ports_plus_its_rank() -> Non
         "ns/pre/dp1": ("tcp://10.0.0.1:6001", "tcp://10.0.0.1:5559"),
         "ns/pre/dp2": ("tcp://10.0.0.1:6002", "tcp://10.0.0.1:5560"),
     }
+    # The default ports' runs overlap (5557 + 1 is 5558): no engine can replay then.
+    overlapping = ServerPods(server=_server(three), groups=server.groups)
+    targets = stream_targets(Snapshot(servers={("default", "srv"): overlapping}))
+    assert [(t.endpoint, t.replay_endpoint) for t in targets.values()] == [
+        ("tcp://10.0.0.1:5557", None), ("tcp://10.0.0.1:5558", None),
+        ("tcp://10.0.0.1:5559", None),
+    ]
 
 
 async def test_manager_subscribes_per_pod_and_drops_departed_pods() -> None:

@@ -32,14 +32,17 @@ class MetricFamilies:
 
     def __init__(self, block_size: int | None = None, num_gpu_blocks: int | None = None) -> None:
         self.registry = reg = CollectorRegistry(auto_describe=True)
+        # vLLM's info gauge, one series an engine: routers size their prefix index from it
+        # (blocks x size).
+        self.cache_config: Gauge | None = None
+        self.cache_config_labels = (str(block_size), str(num_gpu_blocks))
         if block_size is not None and num_gpu_blocks is not None:
-            # vLLM's info gauge: routers size their prefix index from it (blocks x size).
-            Gauge(
+            self.cache_config = Gauge(
                 "vllm:cache_config_info",
                 "Information of the LLMEngine CacheConfig.",
-                ("block_size", "num_gpu_blocks"),
+                ("engine", "block_size", "num_gpu_blocks"),
                 registry=reg,
-            ).labels(str(block_size), str(num_gpu_blocks)).set(1.0)
+            )
         self.running = Gauge("vllm:num_requests_running", "Requests running.", _LABELS,
                              registry=reg)
         self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting.", _LABELS,
@@ -115,6 +118,8 @@ class EngineMetrics:
         self.families = f = families or MetricFamilies(block_size, num_gpu_blocks)
         self.registry = f.registry
         labels = (model_name, str(engine))
+        if f.cache_config is not None:
+            f.cache_config.labels(str(engine), *f.cache_config_labels).set(1.0)
         for gauge, read in ((f.running, running), (f.waiting, waiting), (f.kv_usage, kv_usage)):
             gauge.labels(*labels).set_function(read)
         self._queries = f.queries.labels(*labels)

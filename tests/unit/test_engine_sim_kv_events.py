@@ -360,7 +360,8 @@ async def test_sim_pod_publishes_serves_cache_and_cache_config_info(
                 metrics = await response.text()
         assert set(stored[0].block_hashes) == set(cache["block_hashes"])
         assert cache["kv_events"]["last_seq"] == 0 and cache["capacity_blocks"] == 64
-        assert 'vllm:cache_config_info{block_size="16",num_gpu_blocks="64"} 1.0' in metrics
+        assert ('vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="64"} 1.0'
+                in metrics)
     finally:
         sub.close(0)
         context.term()

@@ -360,7 +360,7 @@ def _local(args: argparse.Namespace) -> int:
         print(f"Starting the Mooncake master, simulated pods and the router from "
               f"{args.config}/ ...", flush=True)
     from engine_sim.mooncake_master import MooncakeMasterError
-    from router.local_cluster import ChildFailed, Interrupted, LocalCluster
+    from router.local_cluster import ChildFailed, Interrupted, LocalCluster, UnsupportedConfig
 
     cluster = LocalCluster(args.config, args.port, args.log_dir, args.drain_grace)
     for signum in STOP_SIGNALS:
@@ -382,6 +382,8 @@ def _local(args: argparse.Namespace) -> int:
         failure = str(exc)
     except MooncakeMasterError as exc:
         failure = f"the Mooncake master failed to start: {exc}"
+    except UnsupportedConfig as exc:
+        failure = str(exc)
     except Interrupted:
         print("Stopped while starting.", flush=True)
     if failure is not None:
@@ -438,13 +440,15 @@ def _demo(cluster: LocalCluster) -> None:
     pods = {spec.endpoint.pod_name: spec.endpoint for spec in cluster.pods}
     request_id = raw.headers.get("x-request-id", "")
     for header, verb in (("x-pdgate-prefill-pod", "wrote"), ("x-pdgate-decode-pod", "read")):
-        served_by = pods.get(raw.headers.get(header, ""))
+        label = raw.headers.get(header, "")
+        name, _, rank = label.partition("/dp")  # a data-parallel pod's rank: "<pod>/dp<r>"
+        served_by = pods.get(name)
         if served_by is None:
             continue
-        record = _sim_record(served_by.base_url, request_id)
+        record = _sim_record(served_by.base_url + (f"/sim/stats?rank={rank}" if rank else
+                                                   "/sim/stats"), request_id)
         if record is not None:
-            print(f"   {served_by.pod_name} {verb} {record['blocks']} "
-                  "KV block(s) through the Mooncake Store")
+            print(f"   {label} {verb} {record['blocks']} KV block(s) through the Mooncake Store")
 
 
 def _tokenize(base_url: str, messages: list[dict[str, str]]) -> dict[str, Any] | None:
@@ -464,12 +468,12 @@ def _tokenize(base_url: str, messages: list[dict[str, str]]) -> dict[str, Any] |
     return answer if isinstance(answer, dict) else None
 
 
-def _sim_record(base_url: str, request_id: str) -> dict[str, object] | None:
+def _sim_record(stats_url: str, request_id: str) -> dict[str, object] | None:
     """The simulated engine's own record of one request (its `/sim/stats` ring)."""
     import json
     import urllib.request
 
-    with urllib.request.urlopen(f"{base_url}/sim/stats", timeout=5) as response:
+    with urllib.request.urlopen(stats_url, timeout=5) as response:
         stats = json.loads(response.read())
     for record in stats.get("recent", []):
         if request_id and request_id in str(record.get("request_id", "")):

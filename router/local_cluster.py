@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 from router.resilience.config import ResilienceConfig
 from router.sources.files import load_directory
-from router.view import ClusterView, Endpoint
+from router.view import ClusterView, Endpoint, data_parallel
 
 if TYPE_CHECKING:
     from engine_sim.mooncake_master import MooncakeMaster
@@ -54,15 +54,22 @@ _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _TCP_LISTEN = "0A"  # the state column of /proc/net/tcp
 
 
+class UnsupportedConfig(ValueError):
+    """The config directory asks for something the simulated pods cannot be."""
+
+
 @dataclass(frozen=True, slots=True)
 class SimPodSpec:
     endpoint: Endpoint
     model: str
     engine: str
+    #: Engine cores the pod runs (its ModelServer's `pdgate.io/data-parallel-size`).
+    data_parallel_size: int = 1
 
 
 def sim_pods(config_dir: Path) -> list[SimPodSpec]:
-    """The simulated pods a config directory describes, one per ready pod and role."""
+    """The simulated pods a config directory describes, one per ready pod and role (a pod
+    whose ranks are targets of their own is one process with that many engine cores)."""
     view = ClusterView()
     load_directory(config_dir, view)
     specs: list[SimPodSpec] = []
@@ -75,7 +82,16 @@ def sim_pods(config_dir: Path) -> list[SimPodSpec]:
     for key, server in sorted(view.snapshot.servers.items()):
         model = server.server.model or models_by_server.get(key, key[1])
         engine = server.server.inference_engine
-        specs.extend(SimPodSpec(endpoint, model, engine) for endpoint in server.endpoints())
+        ranks = data_parallel(server.server)
+        if ranks.external:
+            raise UnsupportedConfig(f"ModelServer {server.server.meta.key}: the simulator serves "
+                             "data-parallel ranks behind one API server only "
+                             "(pdgate.io/data-parallel-lb: internal)")
+        specs.extend(
+            SimPodSpec(endpoint, model, engine, ranks.size)
+            for endpoint in server.endpoints()
+            if endpoint.dp_rank in (None, 0)
+        )
     return specs
 
 
@@ -255,6 +271,7 @@ class LocalCluster:
                     "--metadata-server", master.metadata_url,
                     # One PYTHONHASHSEED for all pods, as pods sharing a Mooncake Store need.
                     "--python-hash-seed", POD_HASH_SEED,
+                    "--data-parallel-size", str(spec.data_parallel_size),
                 ],
             ))
         for spec, pod in zip(self.pods, self._pods, strict=True):

@@ -195,7 +195,7 @@ async def test_each_ranks_own_events_are_indexed(cluster: Cluster) -> None:
         batches = cluster.batches()
         await asyncio.to_thread(cluster.compute_at, rank, topic)
         assert cluster.last_record(AGG, rank)["cached_tokens"] == 0
-        await eventually(lambda: cluster.batches() > batches)
+        await eventually(lambda before=batches: cluster.batches() > before)
         served, record = await ask(cluster, topic, "through the router")
         assert served == rank and record["cached_tokens"] > 0
 

@@ -58,6 +58,7 @@ from router.scheduling.config import SchedulerConfig, parse_scheduler_config
 from router.scheduling.runtime import SchedulerRuntime
 from router.state import AppState, RouterConfig
 from router.tokenization import CHAT_TEMPLATE_ANNOTATION, TOKENIZER_ANNOTATION
+from router.view import DP_SIZE_ANNOTATION
 
 #: PYTHONHASHSEED of the simulated pods: one root for all, as pods sharing a KV store need.
 POD_HASH_SEED: Final = "0"
@@ -70,6 +71,8 @@ CHAT_PATH: Final = "/v1/chat/completions"
 STARTUP_TIMEOUT_S: Final = 60.0
 #: `loopback_net` salt of a policy cluster's pods (a `SimCluster` of the same run uses 0).
 POLICY_NET_SALT: Final = 75
+#: The pods' KV events port (rank r's: + r).
+EVENTS_PORT: Final = 5557
 # -- workloads ------------------------------------------------------------------------------------
 
 
@@ -224,7 +227,9 @@ def _write_yaml(path: Path, docs: Sequence[Any]) -> None:
     tmp.replace(path)
 
 
-def _manifests(port: int, pods: Sequence[PodPlan]) -> list[dict[str, Any]]:
+def _manifests(
+    port: int, pods: Sequence[PodPlan], annotations: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
     labels = {"app": SERVER}
     docs: list[dict[str, Any]] = [
         {
@@ -238,6 +243,7 @@ def _manifests(port: int, pods: Sequence[PodPlan]) -> list[dict[str, Any]]:
             "metadata": {"name": SERVER, "namespace": "default", "annotations": {
                 TOKENIZER_ANNOTATION: DEFAULT_TOKENIZER,
                 CHAT_TEMPLATE_ANNOTATION: str(DEFAULT_CHAT_TEMPLATE),
+                **(annotations or {}),
             }},
             "spec": {
                 "inferenceEngine": "vLLM",
@@ -329,6 +335,7 @@ class PolicyCluster:
         decode_flags: Sequence[str] = (),
         mooncake: tuple[str, str] | None = None,
         policy: str = "prefix-cache",
+        data_parallel: int = 1,
     ) -> None:
         self.workdir = workdir
         self.config_dir = workdir / "config"
@@ -342,6 +349,10 @@ class PolicyCluster:
         ]
         self.prefill_flags = list(prefill_flags)
         self.decode_flags = list(decode_flags)
+        #: Engine cores a pod (`--data-parallel-size`); the router is told of them while
+        #: `rank_aware` (`set_rank_aware`), else it sees each pod as one engine.
+        self.data_parallel = data_parallel
+        self.rank_aware = data_parallel > 1
         self._mooncake = mooncake
         self._master: Any = None
         self._processes: dict[str, subprocess.Popen[bytes]] = {}
@@ -394,7 +405,7 @@ class PolicyCluster:
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=60),
         )
         await asyncio.gather(*(self._wait_healthy(pod) for pod in self.pods))
-        _write_yaml(self.config_dir / "cluster.yaml", _manifests(self.port, self.pods))
+        self._write_cluster()
         _write_yaml(self.scheduler_file, [policy_document(self.policy, precise=self.precise)])
         await self._start_router()
 
@@ -407,7 +418,8 @@ class PolicyCluster:
             "--port", str(self.port), "--model", MODEL, "--pod-name", pod.name,
             "--engine-id", pod.name, "--mooncake-master", rpc, "--metadata-server", metadata,
             # Explicit KV events ports: a pod that cannot publish fails instead of going quiet.
-            "--kv-events-port", "5557", "--kv-events-replay-port", "5558",
+            "--kv-events-port", str(EVENTS_PORT), "--kv-events-replay-port", str(self.replay_port),
+            "--data-parallel-size", str(self.data_parallel),
             "--python-hash-seed", POD_HASH_SEED, *flags,
         ]  # fmt: skip
         with (self.workdir / f"pod-{pod.name}.log").open("wb") as log:
@@ -450,6 +462,33 @@ class PolicyCluster:
                 raise RuntimeError("the router did not become ready")
             await asyncio.sleep(0.05)
 
+    @property
+    def replay_port(self) -> int:
+        """Past the events ports of every rank (rank r binds both + r)."""
+        return EVENTS_PORT + max(1, self.data_parallel)
+
+    def _write_cluster(self) -> None:
+        annotations = {"pdgate.io/kv-events-replay-port": str(self.replay_port)}
+        if self.rank_aware:
+            annotations[DP_SIZE_ANNOTATION] = str(self.data_parallel)
+        _write_yaml(self.config_dir / "cluster.yaml",
+                    _manifests(self.port, self.pods, annotations))
+
+    async def set_rank_aware(self, rank_aware: bool) -> None:
+        """Tell the router of the pods' data-parallel ranks, or not (each pod one target,
+        the rank left to the engine's own balancer), and wait until its view says so."""
+        self.rank_aware = rank_aware
+        self._write_cluster()
+        assert self.state is not None
+        deadline = time.monotonic() + 10
+        while True:
+            targets = self.state.view.snapshot.endpoints().values()
+            if targets and all((t.dp_rank is not None) == rank_aware for t in targets):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError("the router did not take the data-parallel setting")
+            await asyncio.sleep(0.02)
+
     def _view_complete(self) -> bool:
         assert self.state is not None
         servers = self.state.view.snapshot.servers.values()
@@ -484,7 +523,8 @@ class PolicyCluster:
 
     async def prefix_counters(self) -> tuple[int, int, int]:
         """(local hit tokens, query tokens, store hit tokens) over the prefill engines."""
-        stats = await asyncio.gather(*(self.sim_json(p) for p in self.prefill_pods))
+        pods = await asyncio.gather(*(self.sim_json(p) for p in self.prefill_pods))
+        stats = [rank for pod in pods for rank in pod.get("ranks", [pod])]  # each engine core
         return (sum(s["prefix_cache"]["hits"] for s in stats),
                 sum(s["prefix_cache"]["queries"] for s in stats),
                 sum((s.get("store_prefix_cache") or {}).get("hits", 0) for s in stats))  # fmt: skip

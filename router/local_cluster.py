@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 from router.resilience.config import ResilienceConfig
 from router.sources.files import load_directory
-from router.view import ClusterView, Endpoint, data_parallel
+from router.view import ClusterView, Endpoint
 
 if TYPE_CHECKING:
     from engine_sim.mooncake_master import MooncakeMaster
@@ -82,7 +82,7 @@ def sim_pods(config_dir: Path) -> list[SimPodSpec]:
     for key, server in sorted(view.snapshot.servers.items()):
         model = server.server.model or models_by_server.get(key, key[1])
         engine = server.server.inference_engine
-        ranks = data_parallel(server.server)
+        ranks = server.data_parallel
         if ranks.external:
             raise UnsupportedConfig(f"ModelServer {server.server.meta.key}: the simulator serves "
                              "data-parallel ranks behind one API server only "

@@ -76,6 +76,30 @@ class Endpoint:
         return f"{self.scheme}://{host}:{self.port}"
 
 
+DP_SIZE_ANNOTATION: Final = "pdgate.io/data-parallel-size"
+DP_LB_ANNOTATION: Final = "pdgate.io/data-parallel-lb"
+#: The most data-parallel ranks one pod may declare (a pod is that many targets).
+MAX_DATA_PARALLEL_SIZE: Final = 256
+
+
+@dataclass(frozen=True, slots=True)
+class DataParallel:
+    """How many data-parallel ranks each pod of a ModelServer runs, and how one is reached.
+
+    vLLM's `--data-parallel-size N` runs N engines (ranks) behind one API server that
+    balances requests over them unless the `X-data-parallel-rank` header names one
+    (`internal`); with `--data-parallel-external-lb` each rank has an API server of its
+    own, here on the ModelServer's port + rank (`external`). Either way rank r publishes
+    its KV events on the events port + r and keeps its own prefix cache, so the router
+    scores each rank as a target of its own and pins the one it picks.
+    Annotations: `pdgate.io/data-parallel-size` (default 1), `pdgate.io/data-parallel-lb`
+    (`internal`, the default, or `external`).
+    """
+
+    size: int = 1
+    external: bool = False
+
+
 @dataclass(frozen=True, slots=True)
 class PDGroupPods:
     """The ready pods of one PD group: a pair is only ever made inside one of these."""
@@ -96,6 +120,8 @@ class ServerPods:
     server: ModelServer
     aggregated: tuple[Endpoint, ...] = ()
     groups: tuple[PDGroupPods, ...] = ()
+    #: Its pods' data-parallel ranks (read from its annotations once a snapshot).
+    data_parallel: DataParallel = field(default_factory=DataParallel)
 
     @property
     def is_pd(self) -> bool:
@@ -340,30 +366,6 @@ def _has_labels(labels: dict[str, str], required: dict[str, str]) -> bool:
     return True
 
 
-DP_SIZE_ANNOTATION: Final = "pdgate.io/data-parallel-size"
-DP_LB_ANNOTATION: Final = "pdgate.io/data-parallel-lb"
-#: The most data-parallel ranks one pod may declare (a pod is that many targets).
-MAX_DATA_PARALLEL_SIZE: Final = 256
-
-
-@dataclass(frozen=True, slots=True)
-class DataParallel:
-    """How many data-parallel ranks each pod of a ModelServer runs, and how one is reached.
-
-    vLLM's `--data-parallel-size N` runs N engines (ranks) behind one API server that
-    balances requests over them unless the `X-data-parallel-rank` header names one
-    (`internal`); with `--data-parallel-external-lb` each rank has an API server of its
-    own, here on the ModelServer's port + rank (`external`). Either way rank r publishes
-    its KV events on the events port + r and keeps its own prefix cache, so the router
-    scores each rank as a target of its own and pins the one it picks.
-    Annotations: `pdgate.io/data-parallel-size` (default 1), `pdgate.io/data-parallel-lb`
-    (`internal`, the default, or `external`).
-    """
-
-    size: int = 1
-    external: bool = False
-
-
 def data_parallel(server: ModelServer) -> DataParallel:
     """A ModelServer's data parallelism from its annotations; a bad value counts as 1."""
     annotations = server.meta.annotations
@@ -409,7 +411,7 @@ def _server_pods(
     if pd is None:
         return ServerPods(server=server, aggregated=tuple(
             target for p in pods for target in _endpoints(p, server, dp, "both", None)
-        ))
+        ), data_parallel=dp)
     groups: dict[str, tuple[list[Endpoint], list[Endpoint]]] = {}
     for pod in pods:
         labels = pod.meta.labels
@@ -431,6 +433,7 @@ def _server_pods(
             for name, (prefill, decode) in sorted(groups.items())
             if prefill and decode
         ),
+        data_parallel=dp,
     )
 
 

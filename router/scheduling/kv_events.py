@@ -102,7 +102,7 @@ from router.scheduling.kv_wire import (
 )
 from router.scheduling.metrics import SchedulerMetrics
 from router.scheduling.precise_index import PrecisePrefixIndex
-from router.view import Endpoint, ServerPods, Snapshot, data_parallel
+from router.view import Endpoint, ServerPods, Snapshot
 
 log = logging.getLogger("pdgate.scheduling.kv_events")
 
@@ -345,7 +345,7 @@ def stream_targets(
         if port is None:
             continue
         replay = _port(annotations, REPLAY_PORT_ANNOTATION, replay_port)
-        ranks = data_parallel(server.server).size
+        ranks = server.data_parallel.size
         if replay is not None and abs(replay - port) < ranks:
             replay = None  # the ranks' runs of ports overlap: the engines cannot replay
         topic = annotations.get(TOPIC_ANNOTATION, "")

@@ -32,7 +32,7 @@ from router.scheduling.kv_events import (
 from router.scheduling.kv_wire import GroupChoice, _decode_generic, _decode_typed, apply_events
 from router.scheduling.metrics import SchedulerMetrics
 from router.scheduling.precise_index import PrecisePrefixIndex
-from router.view import Endpoint, PDGroupPods, ServerPods, Snapshot
+from router.view import DataParallel, Endpoint, PDGroupPods, ServerPods, Snapshot
 from tests.polling import eventually
 from tests.vllm_kv_events import ArrayAllBlocksCleared as AllBlocksCleared
 from tests.vllm_kv_events import (
@@ -534,10 +534,9 @@ def test_each_data_parallel_rank_is_a_stream_on_the_ports_plus_its_rank() -> Non
     """vLLM's rank r binds the configured events and replay ports + r."""
     ranks = tuple(Endpoint("ns", "pre", "10.0.0.1", 8000, "prefill", "g0", dp_rank=rank,
                            rank_pin=str(rank)) for rank in (0, 1, 2))
-    three = {"pdgate.io/data-parallel-size": "3"}
-    server = ServerPods(server=_server({**three, "pdgate.io/kv-events-port": "6000"}), groups=(
+    server = ServerPods(server=_server({"pdgate.io/kv-events-port": "6000"}), groups=(
         PDGroupPods("g0", ranks, (Endpoint("ns", "dec", "10.0.0.2", 8000, "decode", "g0"),)),
-    ))
+    ), data_parallel=DataParallel(3))
     targets = stream_targets(Snapshot(servers={("default", "srv"): server}))
     assert {key: (t.endpoint, t.replay_endpoint) for key, t in targets.items()} == {
         "ns/pre/dp0": ("tcp://10.0.0.1:6000", "tcp://10.0.0.1:5558"),
@@ -545,7 +544,8 @@ def test_each_data_parallel_rank_is_a_stream_on_the_ports_plus_its_rank() -> Non
         "ns/pre/dp2": ("tcp://10.0.0.1:6002", "tcp://10.0.0.1:5560"),
     }
     # The default ports' runs overlap (5557 + 1 is 5558): no engine can replay then.
-    overlapping = ServerPods(server=_server(three), groups=server.groups)
+    overlapping = ServerPods(server=_server({}), groups=server.groups,
+                             data_parallel=DataParallel(3))
     targets = stream_targets(Snapshot(servers={("default", "srv"): overlapping}))
     assert [(t.endpoint, t.replay_endpoint) for t in targets.values()] == [
         ("tcp://10.0.0.1:5557", None), ("tcp://10.0.0.1:5558", None),

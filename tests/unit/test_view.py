@@ -319,6 +319,7 @@ def test_data_parallel_ranks_are_targets_of_their_own() -> None:
         ("default/p/dp0", 8000, 0, "0"), ("default/p/dp1", 8000, 1, "1"),
     ]
     assert [e.label for e in group.decode] == ["d/dp0", "d/dp1"]
+    assert build_snapshot([], [internal], pods).servers[("default", "ms")].data_parallel.size == 2
     assert {e.base_url for e in group.decode} == {"http://10.0.1.2:8000"}
 
     external = _with_annotations(server(), **{"pdgate.io/data-parallel-size": "3",

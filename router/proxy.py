@@ -365,6 +365,8 @@ class Proxy:
             self.inflight.acquire(endpoint)
         prefill_held = pick.prefill
 
+        decode_held = True
+
         def release_prefill() -> None:
             # A sequential prefill is over once the handle is back: stop counting it
             # then, or prefill pods look busy for the whole decode.
@@ -373,8 +375,17 @@ class Proxy:
                 self.inflight.release(prefill_held)
                 prefill_held = None
 
+        def release() -> None:
+            # The answer's end: counted no more before the client can read it (and ask
+            # again), not once the engine's connection has also reached EOF after it.
+            nonlocal decode_held
+            release_prefill()
+            if decode_held:
+                decode_held = False
+                self.inflight.release(pick.decode)
+
         try:
-            await self._run_pick(attempt, pick, out, release_prefill)
+            await self._run_pick(attempt, pick, out, release_prefill, release)
         except UpstreamError as exc:
             if _clients_fault(exc):
                 assert exc.status is not None
@@ -391,8 +402,7 @@ class Proxy:
                 self.outliers.record_failure(attempt.waiting_on)
             raise
         finally:
-            release_prefill()
-            self.inflight.release(pick.decode)
+            release()
         outliers = self.outliers
         outliers.record_success(pick.decode)
         if pick.prefill is not None:
@@ -406,7 +416,8 @@ class Proxy:
         self.outliers.record_failure(pod)
 
     async def _run_pick(
-        self, attempt: Attempt, pick: Pick, out: Responder, release_prefill: Callable[[], None]
+        self, attempt: Attempt, pick: Pick, out: Responder, release_prefill: Callable[[], None],
+        release: Callable[[], None],
     ) -> None:
         """Prefill (PD), then decode and the relay, each timed on the request's clock.
 
@@ -480,7 +491,7 @@ class Proxy:
             if tracing is not None:
                 relay = tracing.child(decode, "relay", {"pdgate.stream": parsed.stream})
             try:
-                await self._relay(attempt, pick, response, out)
+                await self._relay(attempt, pick, response, out, release)
             finally:
                 if relay is not None:
                     relay.end()
@@ -538,8 +549,13 @@ class Proxy:
             raise
 
     async def _relay(
-        self, attempt: Attempt, pick: Pick, response: Response, out: Responder
+        self, attempt: Attempt, pick: Pick, response: Response, out: Responder,
+        ended: Callable[[], None],
     ) -> None:
+        """The engine's answer to the client. `ended` (the pick's pods count the request no
+        more) runs as the answer's end is settled, before its last bytes go out: a client
+        that asks again the moment it has read the end finds the pods as they are (the
+        engine's own EOF may follow [DONE] later, and the relay reads on until it does)."""
         parsed = attempt.parsed
         headers = [
             (b"content-type", response.headers.get("content-type", "application/json").encode()),
@@ -559,6 +575,7 @@ class Proxy:
             if attempt.track_usage:
                 attempt.output_tokens = body_completion_tokens(raw) or 0
                 self._settle(attempt)
+            ended()
             await out.start(response.status, headers)
             await out.body(raw)
             return
@@ -568,9 +585,15 @@ class Proxy:
             if attempt.track_usage:
                 attempt.usage = usage
         responses = parsed.endpoint is not None and parsed.endpoint.stream_end == "responses"
-        settle = (lambda: self._settle(attempt)) if attempt.track_usage else None
+        track_usage = attempt.track_usage
+
+        def on_end() -> None:
+            if track_usage:
+                self._settle(attempt)
+            ended()
+
         relay = StreamRelay(self.metrics, parsed.model, out.clock, attempt.first_lap, usage,
-                            responses, on_end=settle)
+                            responses, on_end=on_end)
         try:
             # Through this task until the response has started; then, on the edge's direct
             # path, by callback from the upstream connection (router/relay.py).

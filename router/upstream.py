@@ -11,6 +11,7 @@ address, no upstream body.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,6 +21,8 @@ import orjson
 from kv_connectors.base import PodAddress, UpstreamError
 from router.errors import upstream_fields
 from router.http_client import ConnectFailed, ConnectionBroken, Pool, Response
+
+log = logging.getLogger("pdgate.upstream")
 
 MAX_CONNECTIONS = 1024
 MAX_CONNECTIONS_PER_POD = 256
@@ -106,6 +109,8 @@ class Upstream:
                 raw = b""
             finally:
                 response.release()
+            if response.status == 400 and pod.rank_pin is not None and _no_such_rank(raw):
+                raise _rank_error(pod, phase)
             raise status_error(response.status, raw, pod, phase)
         return response
 
@@ -170,22 +175,39 @@ def request_head(pod: PodAddress, path: str, headers: Mapping[str, str], length:
 
     A value carrying CR or LF would split the head (request smuggling toward the engine):
     such a header is refused with `ValueError` (the proxy only forwards values llhttp
-    parsed from one header line, so none should). A pod's data-parallel rank
-    (`rank_pin`) is pinned with `x-data-parallel-rank`, over any such header given.
+    parsed from one header line, so none should). A target that is one data-parallel
+    rank of its pod gets the router's `x-data-parallel-rank` (`rank_pin`; none where the
+    rank has an API server of its own, which has no other rank), never one given.
     """
     host = f"[{pod.ip}]:{pod.port}" if ":" in pod.ip else f"{pod.ip}:{pod.port}"
     lines = [f"POST {path} HTTP/1.1\r\nhost: {host}\r\ncontent-length: {length}\r\n"]
-    pin = pod.rank_pin
-    if pin is not None:
-        lines.append(f"{DP_RANK_HEADER}: {pin}\r\n")
+    ranked = pod.dp_rank is not None
+    if pod.rank_pin is not None:
+        lines.append(f"{DP_RANK_HEADER}: {pod.rank_pin}\r\n")
     for name, value in headers.items():
         if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
             raise ValueError(f"header {name!r} carries a line break")
-        if pin is not None and name.lower() == DP_RANK_HEADER:
+        if ranked and name.lower() == DP_RANK_HEADER:
             continue
         lines.append(f"{name}: {value}\r\n")
     lines.append("\r\n")
     return "".join(lines).encode("latin-1")
+
+
+def _no_such_rank(raw: bytes) -> bool:
+    """vLLM's refusal of a rank it does not run: "data_parallel_rank R is out of range
+    [0, N)." (its input processor), answered 400."""
+    return b"data_parallel_rank" in raw and b"out of range" in raw
+
+
+def _rank_error(pod: PodAddress, phase: str) -> UpstreamError:
+    """The pod runs fewer ranks than its ModelServer says: the router's fault, not the
+    client's, so another target is tried and the rank counts as failing."""
+    log.warning("engine %s has no data-parallel rank %s: its ModelServer's "
+                "pdgate.io/data-parallel-size is larger than the ranks it runs",
+                pod.base_url, pod.rank_pin)
+    return UpstreamError("bad_rank", f"The engine has no data-parallel rank {pod.rank_pin}.",
+                         retryable=True, pod=pod, phase=phase)
 
 
 def status_error(status: int, raw: bytes, pod: PodAddress | None, phase: str) -> UpstreamError:

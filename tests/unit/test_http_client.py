@@ -97,6 +97,11 @@ class Server:
             return False
         elif path == "/error":
             writer.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 4\r\n\r\nbusy")
+        elif path == "/no-rank":  # vLLM refusing a data-parallel rank it does not run
+            refusal = (b'{"error":{"message":"data_parallel_rank 3 is out of range [0, 2).",'
+                       b'"type":"BadRequestError","param":null,"code":400}}')
+            writer.write(b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
+                         b"content-length: %d\r\n\r\n%s" % (len(refusal), refusal))
         await writer.drain()
         return True
 
@@ -352,8 +357,29 @@ def test_a_data_parallel_rank_is_pinned_over_the_clients() -> None:
     pinned = request_head(_Pod("127.0.0.1", 8000, 1, "1"), "/v1/completions", client, 2)
     assert ranks(pinned) == [b"x-data-parallel-rank: 1"]
     assert b"x-request-id: abc\r\n" in pinned
+    # A rank with an API server of its own (external load balancing) runs no other rank.
+    own_server = request_head(_Pod("127.0.0.1", 8001, 1), "/v1/completions", client, 2)
+    assert ranks(own_server) == []
     plain = request_head(_Pod("127.0.0.1", 8000), "/v1/completions", client, 2)
     assert ranks(plain) == [b"X-Data-Parallel-Rank: 3"]
+
+
+async def test_a_rank_the_engine_does_not_run_is_not_the_clients_fault(server: Server) -> None:
+    """The router pinned a rank the pod lacks (its annotation says more ranks than it runs):
+    vLLM's 400 is the pod's failure, retried elsewhere; unpinned, a 400 stays the client's."""
+    upstream = Upstream()
+    deadline = asyncio.get_running_loop().time() + 5.0
+    try:
+        with pytest.raises(UpstreamError) as pinned:
+            await upstream.open(_Pod("127.0.0.1", server.port, 3, "3"), "/no-rank", b"{}", {},
+                                deadline, "decode")
+        assert (pinned.value.reason, pinned.value.retryable) == ("bad_rank", True)
+        with pytest.raises(UpstreamError) as plain:
+            await upstream.open(_Pod("127.0.0.1", server.port), "/no-rank", b"{}", {},
+                                deadline, "decode")
+        assert (plain.value.status, plain.value.retryable) == (400, False)
+    finally:
+        await upstream.close()
 
 
 async def test_push_mode_hands_chunks_to_the_sink_as_they_arrive(server: Server) -> None:

@@ -326,6 +326,11 @@ class Proxy:
         pod = exc.pod
         if pod is not None and hasattr(pod, "key"):
             avoid.add(pod.key)
+            if exc.reason == "connect" and pod.dp_rank is not None:
+                # Its API server is unreachable: so is every rank behind it.
+                url = pod.base_url
+                avoid.update(e.key for e in attempt.decision.server.endpoints()
+                             if e.base_url == url)
         if _kv_lost(exc) and attempt.pick is not None and attempt.pick.prefill is not None:
             avoid.add(attempt.pick.prefill.key)  # its KV went missing: try a whole new pair
         log.info("request %s: %s in %s", attempt.request_id, exc.reason, exc.phase)

@@ -1,0 +1,99 @@
+"""A data-parallel pod whose API server cannot be reached is avoided for all its ranks.
+
+Two aggregated pods of two ranks each; pod a's server refuses connections. Pod b's ranks
+carry a request in flight each, so the first pick is a rank of pod a, which fails to
+connect; the retry must then go to pod b, not to pod a's other rank (behind the same dead
+server, and the least loaded target left).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import orjson
+
+from kv_connectors.base import UpstreamError
+from router.app import PDGateApp
+from router.request import CHAT_PATH
+from router.resources import parse_object
+from router.state import AppState, RouterConfig
+from tests.unit.test_fuzz import StubResponse, StubUpstream
+
+MODEL = "m-dp"
+API = "networking.serving.volcano.sh/v1alpha1"
+
+
+def _objects() -> list[dict[str, Any]]:
+    pods = [
+        {"apiVersion": "v1", "kind": "Pod",
+         "metadata": {"name": name, "namespace": "default", "labels": {"app": "dp"}},
+         "status": {"phase": "Running", "podIP": ip,
+                    "conditions": [{"type": "Ready", "status": "True"}]}}
+        for name, ip in (("a", "10.0.0.1"), ("b", "10.0.0.2"))
+    ]
+    return [
+        {"apiVersion": API, "kind": "ModelRoute",
+         "metadata": {"name": "dp", "namespace": "default"},
+         "spec": {"modelName": MODEL,
+                  "rules": [{"name": "r", "targetModels": [{"modelServerName": "dp"}]}]}},
+        {"apiVersion": API, "kind": "ModelServer",
+         "metadata": {"name": "dp", "namespace": "default",
+                      "annotations": {"pdgate.io/data-parallel-size": "2"}},
+         "spec": {"inferenceEngine": "vLLM", "workloadPort": {"port": 8000},
+                  "workloadSelector": {"matchLabels": {"app": "dp"}},
+                  "trafficPolicy": {"retry": {"attempts": 3, "retryInterval": "1ms"}}}},
+        *pods,
+    ]  # fmt: skip
+
+
+class DeadPodA(StubUpstream):
+    def __init__(self) -> None:
+        self.tried: list[str] = []
+
+    async def open(self, pod: Any, path: str, body: bytes, headers: Any, deadline: float,
+                   phase: str) -> StubResponse:
+        self.tried.append(pod.key)
+        if pod.ip == "10.0.0.1":
+            raise UpstreamError("connect", "Could not reach the engine.", retryable=True,
+                                pod=pod, phase=phase)
+        return await super().open(pod, path, body, headers, deadline, phase)
+
+
+async def _serve_one() -> tuple[int, list[str]]:
+    state = AppState(RouterConfig())
+    for raw in _objects():
+        state.view.apply(parse_object(raw))
+    upstream = DeadPodA()
+    state.proxy.upstream = upstream  # type: ignore[assignment]
+    targets = state.view.snapshot.endpoints()
+    for key in ("default/b/dp0", "default/b/dp1"):
+        state.inflight.acquire(targets[key])
+    body = orjson.dumps({"model": MODEL, "max_tokens": 2,
+                         "messages": [{"role": "user", "content": "hello"}]})
+    parts = [body]
+    statuses: list[int] = []
+
+    async def receive() -> dict[str, Any]:
+        if parts:
+            return {"type": "http.request", "body": parts.pop(), "more_body": False}
+        await asyncio.Event().wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            statuses.append(message["status"])
+
+    scope = {"type": "http", "method": "POST", "path": CHAT_PATH,
+             "headers": [(b"content-type", b"application/json")], "query_string": b"",
+             "http_version": "1.1", "scheme": "http", "server": ("127.0.0.1", 8080),
+             "client": ("127.0.0.1", 5000), "root_path": ""}
+    await asyncio.wait_for(PDGateApp(state)(scope, receive, send), 5)  # type: ignore[arg-type]
+    return statuses[0], upstream.tried
+
+
+def test_a_retry_leaves_every_rank_behind_an_unreachable_server() -> None:
+    status, tried = asyncio.run(_serve_one())
+    assert status == 200
+    assert len(tried) == 2 and tried[0].startswith("default/a/"), tried
+    assert tried[1].startswith("default/b/"), tried

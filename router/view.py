@@ -372,6 +372,11 @@ def data_parallel(server: ModelServer) -> DataParallel:
     raw = annotations.get(DP_SIZE_ANNOTATION)
     if raw is None:
         return DataParallel()
+    if server.inference_engine.lower() != "vllm":
+        log.warning("ModelServer %s: %s is read for vLLM engines only (their rank header, "
+                    "ports and metrics); one rank a pod assumed", server.meta.key,
+                    DP_SIZE_ANNOTATION)
+        return DataParallel()
     try:
         size = int(raw.strip())
     except ValueError:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -220,7 +220,7 @@ def without_ejected(server: ServerPods, ejected: set[str]) -> ServerPods | None:
         pods = tuple(p for p in server.aggregated if p.key not in ejected)
         if len(pods) == len(server.aggregated):
             return server
-        return ServerPods(server=server.server, aggregated=pods) if pods else None
+        return replace(server, aggregated=pods) if pods else None
     groups: list[PDGroupPods] = []
     changed = False
     for group in server.groups:
@@ -234,4 +234,4 @@ def without_ejected(server: ServerPods, ejected: set[str]) -> ServerPods | None:
             groups.append(PDGroupPods(group=group.group, prefill=prefill, decode=decode))
     if not changed:
         return server
-    return ServerPods(server=server.server, groups=tuple(groups)) if groups else None
+    return replace(server, groups=tuple(groups)) if groups else None

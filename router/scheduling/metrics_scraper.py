@@ -367,16 +367,20 @@ class MetricsScraper:
         if targets is None:
             return  # the pod left while we were reading
         at = self._clock()
+        parsed = False
         for key, engine in targets:
             load = parse_engine_metrics(body, at, engine)
             if load.running is None and load.waiting is None and load.kv_usage is None:
-                self._metrics.scrape_errors.labels(reason="parse").inc()
                 continue
+            parsed = True
             self.store.put(key, load)
-            self._metrics.scrapes.inc()
             if self._on_capacity is not None and self._capacity.get(key) != load.capacity_tokens:
                 self._capacity[key] = load.capacity_tokens
                 self._on_capacity(key, load.capacity_tokens)
+        if parsed:  # counted a page, not a target
+            self._metrics.scrapes.inc()
+        else:
+            self._metrics.scrape_errors.labels(reason="parse").inc()
 
 
 async def _read_bounded(response: aiohttp.ClientResponse) -> bytes:

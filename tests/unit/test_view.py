@@ -331,6 +331,14 @@ def test_data_parallel_ranks_are_targets_of_their_own() -> None:
     ]
 
 
+def test_data_parallel_size_is_read_for_vllm_servers_only() -> None:
+    """SGLang pins a rank otherwise (and labels its metrics otherwise): one target a pod."""
+    sglang = dataclasses.replace(server(), inference_engine="SGLang")
+    ms = _with_annotations(sglang, **{"pdgate.io/data-parallel-size": "2"})
+    targets = build_snapshot([], [ms], [pod("a")]).servers[("default", "ms")].aggregated
+    assert [(e.key, e.dp_rank) for e in targets] == [("default/a", None)]
+
+
 @pytest.mark.parametrize("size", ["1", "0", "-2", "many", "257"])
 def test_one_rank_a_pod_unless_the_size_is_a_number_above_one(size: str) -> None:
     ms = _with_annotations(server(), **{"pdgate.io/data-parallel-size": size})

@@ -18,7 +18,7 @@ from router.app import PDGateApp
 from router.request import CHAT_PATH
 from router.resources import parse_object
 from router.state import AppState, RouterConfig
-from tests.unit.test_fuzz import StubResponse, StubUpstream
+from tests.unit.test_fuzz import StubResponse, StubUpstream, call
 
 MODEL = "m-dp"
 API = "networking.serving.volcano.sh/v1alpha1"
@@ -71,25 +71,9 @@ async def _serve_one() -> tuple[int, list[str]]:
         state.inflight.acquire(targets[key])
     body = orjson.dumps({"model": MODEL, "max_tokens": 2,
                          "messages": [{"role": "user", "content": "hello"}]})
-    parts = [body]
-    statuses: list[int] = []
-
-    async def receive() -> dict[str, Any]:
-        if parts:
-            return {"type": "http.request", "body": parts.pop(), "more_body": False}
-        await asyncio.Event().wait()
-        return {"type": "http.disconnect"}
-
-    async def send(message: dict[str, Any]) -> None:
-        if message["type"] == "http.response.start":
-            statuses.append(message["status"])
-
-    scope = {"type": "http", "method": "POST", "path": CHAT_PATH,
-             "headers": [(b"content-type", b"application/json")], "query_string": b"",
-             "http_version": "1.1", "scheme": "http", "server": ("127.0.0.1", 8080),
-             "client": ("127.0.0.1", 5000), "root_path": ""}
-    await asyncio.wait_for(PDGateApp(state)(scope, receive, send), 5)  # type: ignore[arg-type]
-    return statuses[0], upstream.tried
+    status, _ = await asyncio.wait_for(call(PDGateApp(state), "POST", CHAT_PATH, [
+        (b"content-type", b"application/json")], body), 5)
+    return status, upstream.tried
 
 
 def test_a_retry_leaves_every_rank_behind_an_unreachable_server() -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -309,7 +309,10 @@ def app() -> PDGateApp:
 
 
 async def call(app: PDGateApp, method: str, path: str, headers: list[tuple[bytes, bytes]],
-               body: bytes) -> tuple[int, bytes]:
+               body: bytes,
+               on_send: Callable[[dict[str, Any]], None] | None = None) -> tuple[int, bytes]:
+    """One request through the ASGI app: its status and body. `on_send` sees each message
+    as the app sends it (a test that checks the router's state at that moment)."""
     sent: list[dict[str, Any]] = []
     parts = [body[i:i + 97] for i in range(0, len(body), 97)] or [b""]
     never = asyncio.Event()
@@ -323,6 +326,8 @@ async def call(app: PDGateApp, method: str, path: str, headers: list[tuple[bytes
 
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
+        if on_send is not None:
+            on_send(message)
 
     scope = {"type": "http", "method": method, "path": path, "headers": headers,
              "query_string": b"", "http_version": "1.1", "scheme": "http",

@@ -19,7 +19,7 @@ from router.app import PDGateApp
 from router.request import CHAT_PATH
 from router.resources import parse_object
 from router.state import AppState, RouterConfig
-from tests.unit.test_fuzz import MODEL, StubUpstream, cluster_objects
+from tests.unit.test_fuzz import MODEL, StubUpstream, call, cluster_objects
 
 CHUNKS = [b'data: {"choices":[{"index":0,"delta":{"content":"ok"}}]}\n\n',
           b'data: {"choices":[],"usage":{"completion_tokens":1}}\n\n', b"data: [DONE]\n\n"]
@@ -69,29 +69,17 @@ async def _in_flight_as_the_end_is_sent(stream: bool) -> tuple[int, int]:
         state.view.apply(parse_object(raw))
     upstream = HeldUpstream()
     state.proxy.upstream = upstream  # type: ignore[assignment]
-    app = PDGateApp(state)
     seen: list[int] = []
     body = orjson.dumps({"model": MODEL, "stream": stream, "max_tokens": 2,
                          "messages": [{"role": "user", "content": "hello"}]})
-    parts = [body]
-    never = asyncio.Event()
 
-    async def receive() -> dict[str, Any]:
-        if parts:
-            return {"type": "http.request", "body": parts.pop(), "more_body": False}
-        await never.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(message: dict[str, Any]) -> None:
+    def on_send(message: dict[str, Any]) -> None:
         if message["type"] == "http.response.body" and not message.get("more_body"):
             seen.append(state.inflight.total())  # the client can read the end from here on
             asyncio.get_running_loop().call_later(0.05, upstream.eof.set)
 
-    scope = {"type": "http", "method": "POST", "path": CHAT_PATH,
-             "headers": [(b"content-type", b"application/json")], "query_string": b"",
-             "http_version": "1.1", "scheme": "http", "server": ("127.0.0.1", 8080),
-             "client": ("127.0.0.1", 5000), "root_path": ""}
-    await asyncio.wait_for(app(scope, receive, send), 5)  # type: ignore[arg-type]
+    await asyncio.wait_for(call(PDGateApp(state), "POST", CHAT_PATH,
+                                [(b"content-type", b"application/json")], body, on_send), 5)
     assert len(seen) == 1, seen
     return seen[0], state.inflight.total()
 

@@ -33,6 +33,7 @@ from tests.integration.harness import (
     SimCluster,
     SimPodSpec,
     free_port,
+    get_json,
     loopback_net,
     metric_values,
     pd_server_manifests,
@@ -77,8 +78,7 @@ class Cluster:
         return sum(value for _, value in metric_values(self.sim.router_metrics(), name))
 
     def pod_json(self, spec: SimPodSpec, path: str) -> Any:
-        with urllib.request.urlopen(f"http://{spec.ip}:{self.port}{path}", timeout=5) as reply:
-            return json.loads(reply.read())
+        return get_json(f"http://{spec.ip}:{self.port}{path}")
 
     def last_record(self, spec: SimPodSpec, rank: int) -> dict[str, Any]:
         records: list[dict[str, Any]] = self.pod_json(spec, f"/sim/stats?rank={rank}")["recent"]

@@ -13,8 +13,6 @@ the adapter's first request whatever the base model cached, then the adapter's o
 from __future__ import annotations
 
 import asyncio
-import json
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +25,7 @@ from tests.integration.harness import (
     SimCluster,
     SimPodSpec,
     free_port,
+    get_json,
     loopback_net,
     metric_values,
     pd_server_manifests,
@@ -69,9 +68,7 @@ class Lora:
         return 0.0
 
     def pod_json(self, spec: SimPodSpec, path: str) -> Any:
-        url = f"http://{spec.ip}:{self.port}{path}"
-        with urllib.request.urlopen(url, timeout=5) as response:
-            return json.loads(response.read())
+        return get_json(f"http://{spec.ip}:{self.port}{path}")
 
     def last_record(self, pod_name: str) -> dict[str, Any]:
         spec = next(s for s in PODS if s.name == pod_name)

@@ -31,12 +31,11 @@ from pathlib import Path
 
 from benchmarks.sched_policies import (
     DECODE_FLAGS,
-    KV_CAPACITY_BLOCKS,
     PolicyCluster,
     RunResult,
-    SharedPrefix,
+    add_workload_args,
     prefill_flags,
-    shared_prefix,
+    workload_prompts,
 )
 
 SETUPS = ("rank-aware", "pod-level")
@@ -66,8 +65,7 @@ class Pooled:
 
 
 async def bench(args: argparse.Namespace) -> dict[tuple[str, str], Pooled]:
-    prompts = shared_prefix(SharedPrefix(groups=args.prompts, questions=args.questions,
-                                         seed=args.seed, system_tokens=args.system_tokens))
+    prompts = workload_prompts(args)
     pooled = {(setup, policy): Pooled() for setup in SETUPS for policy in POLICIES}
     workdir = Path(tempfile.mkdtemp(prefix="pdgate-bench-dp-"))
     async with PolicyCluster(workdir, groups=args.groups, data_parallel=args.ranks,
@@ -107,13 +105,7 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=2, help="PD groups (1 prefill + 1 decode)")
     parser.add_argument("--ranks", type=int, default=2, help="data-parallel ranks a pod")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--prompts", type=int, default=8, help="system prompts")
-    parser.add_argument("--questions", type=int, default=16, help="questions per system prompt")
-    parser.add_argument("--system-tokens", type=int, default=1024)
-    parser.add_argument("--concurrency", type=int, default=6)
-    parser.add_argument("--kv-capacity-blocks", type=int, default=KV_CAPACITY_BLOCKS,
-                        help="KV cache of each prefill rank, in blocks")
-    parser.add_argument("--seed", type=int, default=0)
+    add_workload_args(parser)  # --kv-capacity-blocks: each prefill rank's cache
     args = parser.parse_args()
     pooled = asyncio.run(bench(args))
     print(f"\nShared prefix: {args.prompts} system prompts (~{args.system_tokens} tokens) x "

@@ -687,10 +687,26 @@ SETUPS: Final = (
 )
 
 
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    """The shared-prefix workload's flags and the prefill engines' cache, as the benches on
+    this cluster take them (`workload_prompts` reads them back)."""
+    parser.add_argument("--prompts", type=int, default=8, help="system prompts")
+    parser.add_argument("--questions", type=int, default=16, help="questions per system prompt")
+    parser.add_argument("--system-tokens", type=int, default=1024)
+    parser.add_argument("--concurrency", type=int, default=6)
+    parser.add_argument("--kv-capacity-blocks", type=int, default=KV_CAPACITY_BLOCKS,
+                        help="KV cache of each prefill engine, in blocks")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def workload_prompts(args: argparse.Namespace) -> list[Prompt]:
+    """The prompts `add_workload_args`' flags describe."""
+    return shared_prefix(SharedPrefix(groups=args.prompts, questions=args.questions,
+                                      seed=args.seed, system_tokens=args.system_tokens))
+
+
 async def bench(args: argparse.Namespace) -> list[tuple[str, list[RunResult]]]:
-    spec = SharedPrefix(groups=args.prompts, questions=args.questions, seed=args.seed,
-                        system_tokens=args.system_tokens)
-    prompts = shared_prefix(spec)
+    prompts = workload_prompts(args)
     out: list[tuple[str, list[RunResult]]] = []
     for title, extra in SETUPS[: 1 if args.no_store else 2]:
         workdir = Path(tempfile.mkdtemp(prefix="pdgate-bench-policies-"))
@@ -735,12 +751,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--groups", type=int, default=3, help="PD groups (1 prefill + 1 decode)")
-    parser.add_argument("--prompts", type=int, default=8, help="system prompts")
-    parser.add_argument("--questions", type=int, default=16, help="questions per system prompt")
-    parser.add_argument("--system-tokens", type=int, default=1024)
-    parser.add_argument("--concurrency", type=int, default=6)
-    parser.add_argument("--kv-capacity-blocks", type=int, default=KV_CAPACITY_BLOCKS)
-    parser.add_argument("--seed", type=int, default=0)
+    add_workload_args(parser)
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--decision-requests", type=int, default=1000)
     parser.add_argument("--no-decision", action="store_true")

@@ -57,18 +57,17 @@ class Endpoint:
     #: The `X-data-parallel-rank` value that pins a request to this rank (vLLM's internal
     #: load balancing: one API server for every rank); None when the address alone does.
     rank_pin: str | None = None
-    #: `namespace/pod_name` (`.../dp<rank>` for a rank): made once, read by every request.
+    #: The pod's name, with `/dp<rank>` for one rank of a data-parallel pod (the router's
+    #: response headers and traces name it).
+    label: str = field(init=False, repr=False, compare=False)
+    #: `namespace/label`: made once, read several times by every request.
     key: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "key", f"{self.namespace}/{self.label}")
-
-    @property
-    def label(self) -> str:
-        """The pod's name, with `/dp<rank>` for one rank of a data-parallel pod."""
-        if self.dp_rank is None:
-            return self.pod_name
-        return f"{self.pod_name}/dp{self.dp_rank}"
+        rank = self.dp_rank
+        label = self.pod_name if rank is None else f"{self.pod_name}/dp{rank}"
+        object.__setattr__(self, "label", label)
+        object.__setattr__(self, "key", f"{self.namespace}/{label}")
 
     @property
     def base_url(self) -> str:

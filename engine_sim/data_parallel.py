@@ -21,10 +21,10 @@ stats); this module only routes requests to them, as vLLM's API server does:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from engine_sim.protocol import RequestError
 
@@ -121,6 +121,19 @@ class EngineGroup:
             yield self.engines[rank]
         finally:
             self.balancer.inflight[rank] -= 1
+
+
+def rank_view(
+    engines: Sequence[Engine], query: str | None, view: Callable[[Engine], dict[str, Any]]
+) -> dict[str, Any]:
+    """A debug view's body (`/sim/stats`, `/sim/cache`): the one engine's `view`, rank R's
+    with `?rank=R`, else `{"data_parallel_size": N, "ranks": [each rank's, with its
+    "data_parallel_rank"]}`. Raises ValueError for a rank the server does not have."""
+    rank = rank_query(query, len(engines))
+    if rank is not None or len(engines) == 1:
+        return view(engines[rank or 0])
+    return {"data_parallel_size": len(engines),
+            "ranks": [{"data_parallel_rank": e.rank, **view(e)} for e in engines]}
 
 
 def rank_query(value: str | None, size: int) -> int | None:

@@ -73,7 +73,7 @@ from aiohttp import web
 from engine_sim.cache_events import BlockRemoved as CacheRemoved
 from engine_sim.cache_events import BlockStored as CacheStored
 from engine_sim.cache_events import CacheEvent
-from engine_sim.data_parallel import rank_query
+from engine_sim.data_parallel import rank_view
 from router.kvhash.vllm import block_extra_keys
 
 if TYPE_CHECKING:
@@ -553,17 +553,9 @@ def add_debug_routes(app: web.Application, engines: Sequence[Engine]) -> None:
 
     async def sim_cache(request: web.Request) -> web.Response:
         try:
-            rank = rank_query(request.query.get("rank"), len(engines))
+            body = rank_view(engines, request.query.get("rank"), cache_view)
         except ValueError as exc:
             return web.Response(status=400, text=str(exc))
-        body: dict[str, Any]
-        if rank is not None or len(engines) == 1:
-            body = cache_view(engines[rank or 0])
-        else:
-            body = {
-                "data_parallel_size": len(engines),
-                "ranks": [{"data_parallel_rank": e.rank, **cache_view(e)} for e in engines],
-            }
         return web.Response(body=orjson.dumps(body), content_type="application/json")
 
     app.router.add_get("/sim/cache", sim_cache)

@@ -18,7 +18,7 @@ from typing import Any, Final
 import orjson
 from aiohttp import web
 
-from engine_sim.data_parallel import RANK_HEADER, EngineGroup, rank_query
+from engine_sim.data_parallel import RANK_HEADER, EngineGroup, rank_view
 from engine_sim.engine import Engine, Generation
 from engine_sim.faults import (
     CRASH_EXIT_STATUS,
@@ -540,16 +540,11 @@ class SimServer:
     async def sim_stats(self, request: web.Request) -> web.Response:
         """One engine's stats; with data parallelism `{"data_parallel_size": N, "ranks":
         [each rank's]}`, or rank R's alone with `?rank=R`. Then the server's own fields."""
-        engines = self.group.engines
         try:
-            rank = rank_query(request.query.get("rank"), len(engines))
+            stats = rank_view(self.group.engines, request.query.get("rank"),
+                              lambda engine: engine.stats_json())
         except ValueError as exc:
             return _json(error_body(str(exc), 400), 400)
-        if rank is not None or len(engines) == 1:
-            stats = engines[rank or 0].stats_json()
-        else:
-            stats = {"data_parallel_size": len(engines),
-                     "ranks": [engine.stats_json() for engine in engines]}
         return _json({**stats, "cancelled": self.cancelled,
                       "traceparents": list(self.traceparents)})
 

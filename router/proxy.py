@@ -324,13 +324,11 @@ class Proxy:
 
     def _note_failure(self, exc: UpstreamError, avoid: set[str], attempt: Attempt) -> None:
         pod = exc.pod
-        if pod is not None and hasattr(pod, "key"):
+        if isinstance(pod, Endpoint):
             avoid.add(pod.key)
-            if exc.reason == "connect" and pod.dp_rank is not None:
+            if exc.reason == "connect":
                 # Its API server is unreachable: so is every rank behind it.
-                url = pod.base_url
-                avoid.update(e.key for e in attempt.decision.server.endpoints()
-                             if e.base_url == url)
+                avoid.update(e.key for e in attempt.decision.server.sharing_server(pod))
         if _kv_lost(exc) and attempt.pick is not None and attempt.pick.prefill is not None:
             avoid.add(attempt.pick.prefill.key)  # its KV went missing: try a whole new pair
         log.info("request %s: %s in %s", attempt.request_id, exc.reason, exc.phase)
@@ -397,7 +395,7 @@ class Proxy:
                 self.metrics.client_error(exc.status, exc.phase)
             else:
                 self.metrics.upstream_error(exc.reason, exc.phase)
-                self._blame(exc)
+                self._blame(exc, server)
             raise
         except asyncio.CancelledError:
             # The request's deadline (not the client) cancelled it: the pod awaited hung.
@@ -413,12 +411,18 @@ class Proxy:
         if pick.prefill is not None:
             outliers.record_success(pick.prefill)
 
-    def _blame(self, exc: UpstreamError) -> None:
-        """Count a failure against the pod that caused it, if it was the pod's doing."""
+    def _blame(self, exc: UpstreamError, server: ServerPods) -> None:
+        """Count a failure against the pod that caused it, if it was the pod's doing; an
+        API server that cannot be reached counts against every rank it serves, so a dead
+        data-parallel pod is ejected whole, not one rank at a time."""
         pod = exc.pod
         if not isinstance(pod, Endpoint) or exc.reason in _NOT_THE_PODS_FAULT:
             return
-        self.outliers.record_failure(pod)
+        if exc.reason == "connect":
+            for target in server.sharing_server(pod):
+                self.outliers.record_failure(target)
+        else:
+            self.outliers.record_failure(pod)
 
     async def _run_pick(
         self, attempt: Attempt, pick: Pick, out: Responder, release_prefill: Callable[[], None],

@@ -134,6 +134,15 @@ class ServerPods:
             pods.extend(group.decode)
         return pods
 
+    def sharing_server(self, pod: Endpoint) -> list[Endpoint]:
+        """The targets one API server answers for: `pod`'s data-parallel ranks behind
+        its address (vLLM's internal load balancing), or `pod` alone. When that server
+        cannot be reached, none of them can."""
+        if pod.dp_rank is None or self.data_parallel.external:
+            return [pod]
+        url = pod.base_url
+        return [e for e in self.endpoints() if e.base_url == url]
+
 
 @dataclass(frozen=True, slots=True)
 class ShadowedRoute:

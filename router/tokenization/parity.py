@@ -24,7 +24,8 @@ What it reports (README, "Tokenizer parity"):
   probed yet, the engine has no `/tokenize`, or it did not answer); present for every
   ModelServer that names a tokenizer, absent for the others;
 - `pdgate_tokenizer_parity_mismatches_total{namespace,server}`: pod probes that differed;
-- `pdgate_tokenizer_parity_probes_total{result}`: pod probes by result;
+- `pdgate_tokenizer_parity_probes_total{result}`: probes by result (one an API server:
+  the data-parallel ranks of a pod share theirs, and its answer);
 - one WARNING log per transition to `mismatch`, naming the server, the pod, the probe form
   and the first differing token position (with both ids there); one INFO back to `match`;
 - `notify(server, reason, message)` on a transition to `mismatch` (reason
@@ -267,18 +268,30 @@ class ParityProber:
         return max(0.0, due - self._clock())
 
     async def probe_due(self, session: aiohttp.ClientSession) -> bool:
-        """Probe every pod that is due; returns whether a tokenizer was still loading."""
+        """Probe every pod that is due; returns whether a tokenizer was still loading.
+
+        The data-parallel ranks of a pod share its API server and its tokenizer: that
+        server is probed once, and its answer recorded for each rank."""
         todo, loading = self.due(self._clock())
         if not todo:
             return loading
         gate = asyncio.Semaphore(self._max_concurrency)
+        by_server: dict[tuple[str, int], list[tuple[ModelServer, Endpoint]]] = {}
+        tokenizers: dict[tuple[str, int], ModelTokenizer] = {}
+        for server, pod, tokenizer in todo:
+            at = (pod.base_url, id(tokenizer))
+            by_server.setdefault(at, []).append((server, pod))
+            tokenizers[at] = tokenizer
 
-        async def one(server: ModelServer, pod: Endpoint, tokenizer: ModelTokenizer) -> None:
+        async def one(at: tuple[str, int], targets: list[tuple[ModelServer, Endpoint]]) -> None:
             async with gate:
-                result = await self.probe(session, pod, tokenizer)
-            self._record(server, pod, result)
+                result = await self.probe(session, targets[0][1], tokenizers[at])
+            if self._probes is not None:
+                self._probes.labels(result.status).inc()
+            for server, pod in targets:
+                self._record(server, pod, result)
 
-        await asyncio.gather(*(one(*item) for item in todo))
+        await asyncio.gather(*(one(at, targets) for at, targets in by_server.items()))
         return loading
 
     async def probe(
@@ -341,8 +354,6 @@ class ParityProber:
         pods = self._snapshot.servers.get(key)
         if pods is None or pod not in pods.endpoints():
             return  # the pod left while it was probed
-        if self._probes is not None:
-            self._probes.labels(result.status).inc()
         if result.status == "mismatch" and self._mismatch_counter is not None:
             self._mismatch_counter.labels(*key).inc()
         last = self._pods.get(pod.key)

@@ -52,13 +52,13 @@ from benchmarks.decision import default_prefill_with
 from benchmarks.words import sim_tokenizer, single_token_words
 from engine_sim.ports import common_free_port as free_port
 from engine_sim.prompts import DEFAULT_CHAT_TEMPLATE, DEFAULT_TOKENIZER
+from router.data_parallel import DP_SIZE_ANNOTATION
 from router.kvhash.keyspace import KeySpace
 from router.local_cluster import owned_child
 from router.scheduling.config import SchedulerConfig, parse_scheduler_config
 from router.scheduling.runtime import SchedulerRuntime
 from router.state import AppState, RouterConfig
 from router.tokenization import CHAT_TEMPLATE_ANNOTATION, TOKENIZER_ANNOTATION
-from router.view import DP_SIZE_ANNOTATION
 
 #: PYTHONHASHSEED of the simulated pods: one root for all, as pods sharing a KV store need.
 POD_HASH_SEED: Final = "0"

@@ -83,7 +83,7 @@ def sim_pods(config_dir: Path) -> list[SimPodSpec]:
         model = server.server.model or models_by_server.get(key, key[1])
         engine = server.server.inference_engine
         ranks = server.data_parallel
-        if ranks.external:
+        if ranks.mode != "internal":
             raise UnsupportedConfig(f"ModelServer {server.server.meta.key}: the simulator serves "
                              "data-parallel ranks behind one API server only "
                              "(pdgate.io/data-parallel-lb: internal)")

@@ -16,8 +16,9 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Final, Literal, TypeVar
+from typing import Literal, TypeVar
 
+from router.data_parallel import DataParallel, data_parallel
 from router.resources import (
     KINDS,
     ModelRoute,
@@ -73,30 +74,6 @@ class Endpoint:
     def base_url(self) -> str:
         host = f"[{self.ip}]" if ":" in self.ip else self.ip
         return f"{self.scheme}://{host}:{self.port}"
-
-
-DP_SIZE_ANNOTATION: Final = "pdgate.io/data-parallel-size"
-DP_LB_ANNOTATION: Final = "pdgate.io/data-parallel-lb"
-#: The most data-parallel ranks one pod may declare (a pod is that many targets).
-MAX_DATA_PARALLEL_SIZE: Final = 256
-
-
-@dataclass(frozen=True, slots=True)
-class DataParallel:
-    """How many data-parallel ranks each pod of a ModelServer runs, and how one is reached.
-
-    vLLM's `--data-parallel-size N` runs N engines (ranks) behind one API server that
-    balances requests over them unless the `X-data-parallel-rank` header names one
-    (`internal`); with `--data-parallel-external-lb` each rank has an API server of its
-    own, here on the ModelServer's port + rank (`external`). Either way rank r publishes
-    its KV events on the events port + r and keeps its own prefix cache, so the router
-    scores each rank as a target of its own and pins the one it picks.
-    Annotations: `pdgate.io/data-parallel-size` (default 1), `pdgate.io/data-parallel-lb`
-    (`internal`, the default, or `external`).
-    """
-
-    size: int = 1
-    external: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -374,45 +351,25 @@ def _has_labels(labels: dict[str, str], required: dict[str, str]) -> bool:
     return True
 
 
-def data_parallel(server: ModelServer) -> DataParallel:
-    """A ModelServer's data parallelism from its annotations; a bad value counts as 1."""
-    annotations = server.meta.annotations
-    raw = annotations.get(DP_SIZE_ANNOTATION)
-    if raw is None:
-        return DataParallel()
-    if server.inference_engine.lower() != "vllm":
-        log.warning("ModelServer %s: %s is read for vLLM engines only (their rank header, "
-                    "ports and metrics); one rank a pod assumed", server.meta.key,
-                    DP_SIZE_ANNOTATION)
-        return DataParallel()
-    try:
-        size = int(raw.strip())
-    except ValueError:
-        size = 0
-    if not 1 <= size <= MAX_DATA_PARALLEL_SIZE:
-        log.warning("ModelServer %s: %s=%r is not 1..%d; one rank a pod assumed",
-                    server.meta.key, DP_SIZE_ANNOTATION, raw, MAX_DATA_PARALLEL_SIZE)
-        return DataParallel()
-    mode = annotations.get(DP_LB_ANNOTATION, "internal").strip().lower()
-    if mode not in ("internal", "external"):
-        log.warning("ModelServer %s: %s=%r is not internal or external; internal assumed",
-                    server.meta.key, DP_LB_ANNOTATION, mode)
-    return DataParallel(size, mode == "external")
-
-
 def _endpoints(
     pod: Pod, server: ModelServer, dp: DataParallel, role: Role, group: str | None
-) -> list[Endpoint]:
-    """The pod as targets: itself, or one a data-parallel rank."""
+) -> list[Endpoint] | None:
+    """The pod as targets: itself, or one a data-parallel rank it runs (global ranks
+    `start..start+local-1`; see `router.data_parallel`). None when its ranks cannot be
+    known."""
     assert pod.ip is not None
     ns, name, ip, scheme = pod.meta.namespace, pod.meta.name, pod.ip, server.protocol
     if dp.size == 1:
         return [Endpoint(ns, name, ip, server.port, role, group, scheme)]
+    start = dp.start_rank(pod)
+    if start is None:
+        return None
+    port = server.port
     return [
-        Endpoint(ns, name, ip, server.port + rank if dp.external else server.port, role, group,
-                 scheme, dp_rank=rank, rank_pin=None if dp.external else str(rank))
-        for rank in range(dp.size)
-        if not dp.external or server.port + rank < 65536
+        Endpoint(ns, name, ip, port + rank - start if dp.external else port, role, group,
+                 scheme, dp_rank=rank, rank_pin=dp.rank_pin(rank, start))
+        for rank in range(start, start + dp.local_size)
+        if not dp.external or port + rank - start < 65536
     ]
 
 
@@ -423,7 +380,7 @@ def _server_pods(
     dp = data_parallel(server)
     if pd is None:
         return ServerPods(server=server, aggregated=tuple(
-            target for p in pods for target in _endpoints(p, server, dp, "both", None)
+            target for p in pods for target in _endpoints(p, server, dp, "both", None) or ()
         ), data_parallel=dp)
     groups: dict[str, tuple[list[Endpoint], list[Endpoint]]] = {}
     for pod in pods:
@@ -434,11 +391,11 @@ def _server_pods(
         if not group or is_prefill == is_decode:
             left_out.add(f"{pod.meta.namespace}/{pod.meta.name}")
             continue
+        targets = _endpoints(pod, server, dp, "prefill" if is_prefill else "decode", group)
+        if targets is None:
+            continue
         prefill, decode = groups.setdefault(group, ([], []))
-        if is_prefill:
-            prefill.extend(_endpoints(pod, server, dp, "prefill", group))
-        else:
-            decode.extend(_endpoints(pod, server, dp, "decode", group))
+        (prefill if is_prefill else decode).extend(targets)
     return ServerPods(
         server=server,
         groups=tuple(

@@ -63,10 +63,11 @@ Endpoint per pod: `tcp://<pod ip>:<port>`, port 5557 unless the ModelServer's an
 `pdgate.io/kv-events-port` says otherwise; replay on `pdgate.io/kv-events-replay-port`
 (default 5558; "0" or "none" disables replay); topic `pdgate.io/kv-events-topic`
 (default "", every topic); `pdgate.io/kv-events: "false"` disables the subscription.
-Data-parallel rank r of a pod (`router.view.DataParallel`) publishes on both ports + r,
-as vLLM offsets a rank's endpoints, and is a stream (and an index entry) of its own; where
-the ranks' two runs of ports overlap (the defaults do: 5557 + 1 is 5558) the engines
-cannot have replay sockets, so none is asked.
+Data-parallel rank r of a pod (`router.data_parallel`) publishes on both ports + r (its
+global rank, on whichever pod of a multi-node deployment it runs), as vLLM offsets a
+rank's endpoints, and is a stream (and an index entry) of its own; where a pod's ranks'
+two runs of ports overlap (the defaults do: 5557 + 1 is 5558) the engines cannot have
+replay sockets, so none is asked.
 Only prefill and aggregated pods are subscribed (decode pods are not scored by prefix).
 
 Keys: each ModelServer gets a `KeySpace` (`key_spaces`: the `preciseIndex` defaults and
@@ -345,7 +346,7 @@ def stream_targets(
         if port is None:
             continue
         replay = _port(annotations, REPLAY_PORT_ANNOTATION, replay_port)
-        ranks = server.data_parallel.size
+        ranks = server.data_parallel.local_size  # a pod's ranks bind one run of each
         if replay is not None and abs(replay - port) < ranks:
             replay = None  # the ranks' runs of ports overlap: the engines cannot replay
         topic = annotations.get(TOPIC_ANNOTATION, "")

@@ -553,6 +553,23 @@ def test_each_data_parallel_rank_is_a_stream_on_the_ports_plus_its_rank() -> Non
     ]
 
 
+def test_a_multi_node_rank_streams_on_the_ports_plus_its_global_rank() -> None:
+    """Hybrid data parallelism, 4 ranks over pods of 2: the second pod's ranks 2 and 3
+    publish on the ports + 2 and + 3 (vLLM offsets by the global rank); a pod's own run
+    of 2 decides the overlap, so replay 5560 beside events 5557 is asked for."""
+    ranks = tuple(Endpoint("ns", "w", "10.0.0.3", 8000, "prefill", "g0", dp_rank=rank,
+                           rank_pin=str(rank - 2)) for rank in (2, 3))
+    dp = DataParallel(4, "hybrid", 2)
+    server = ServerPods(server=_server({"pdgate.io/kv-events-replay-port": "5560"}), groups=(
+        PDGroupPods("g0", ranks, (Endpoint("ns", "dec", "10.0.0.2", 8000, "decode", "g0"),)),
+    ), data_parallel=dp)
+    targets = stream_targets(Snapshot(servers={("default", "srv"): server}))
+    assert {key: (t.endpoint, t.replay_endpoint) for key, t in targets.items()} == {
+        "ns/w/dp2": ("tcp://10.0.0.3:5559", "tcp://10.0.0.3:5562"),
+        "ns/w/dp3": ("tcp://10.0.0.3:5560", "tcp://10.0.0.3:5563"),
+    }
+
+
 async def test_manager_subscribes_per_pod_and_drops_departed_pods() -> None:
     context = zmq.asyncio.Context()
     engine = FakeEngine(context, topic="")

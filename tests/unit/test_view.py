@@ -331,6 +331,76 @@ def test_data_parallel_ranks_are_targets_of_their_own() -> None:
     ]
 
 
+def _lws_pod(name: str, worker: int | None = None, start: str | None = None) -> Pod:
+    """A pod of a LeaderWorkerSet group (its worker index label) or with its first rank
+    annotated."""
+    made = pod(name, {} if worker is None else
+               {"leaderworkerset.sigs.k8s.io/worker-index": str(worker)},
+               ip=f"10.0.2.{worker or 0}")
+    if start is None:
+        return made
+    return dataclasses.replace(made, meta=dataclasses.replace(
+        made.meta, annotations={"pdgate.io/data-parallel-start-rank": start}))
+
+
+def test_hybrid_data_parallel_pods_run_their_own_ranks_pinned_by_local_index() -> None:
+    """llm-d's wide-EP layout: DP 4 over two pods of 2 (`--data-parallel-hybrid-lb
+    --data-parallel-size-local 2 --data-parallel-start-rank worker-index x 2`). Each pod's
+    targets are its global ranks (events ports, metric series, labels), each pinned by
+    its LOCAL index, as vLLM's hybrid API server reads the header."""
+    ms = _with_annotations(server(), **{"pdgate.io/data-parallel-size": "4",
+                                        "pdgate.io/data-parallel-size-local": "2",
+                                        "pdgate.io/data-parallel-lb": "hybrid"})
+    pods = [_lws_pod("leader", 0), _lws_pod("worker", 1)]
+    targets = build_snapshot([], [ms], pods).servers[("default", "ms")].aggregated
+    assert [(e.key, e.base_url, e.dp_rank, e.rank_pin) for e in targets] == [
+        ("default/leader/dp0", "http://10.0.2.0:8000", 0, "0"),
+        ("default/leader/dp1", "http://10.0.2.0:8000", 1, "1"),
+        ("default/worker/dp2", "http://10.0.2.1:8000", 2, "0"),
+        ("default/worker/dp3", "http://10.0.2.1:8000", 3, "1"),
+    ]
+
+
+def test_external_ranks_across_pods_take_ports_by_local_index() -> None:
+    """llm-d's per-rank servers (`--data-parallel-rank START+i --port 8200+i`): a pod's
+    rank r listens on the port + (r - its first rank), unpinned; the annotation beats
+    the LeaderWorkerSet label."""
+    ms = _with_annotations(server(port=8200), **{"pdgate.io/data-parallel-size": "4",
+                                                 "pdgate.io/data-parallel-size-local": "2",
+                                                 "pdgate.io/data-parallel-lb": "external"})
+    targets = build_snapshot([], [ms], [_lws_pod("w", 0, start="2")]).servers[
+        ("default", "ms")].aggregated
+    assert [(e.key, e.port, e.dp_rank, e.rank_pin) for e in targets] == [
+        ("default/w/dp2", 8200, 2, None), ("default/w/dp3", 8201, 3, None),
+    ]
+
+
+@pytest.mark.parametrize("start", [None, "x", "-1", "3"])
+def test_a_pod_whose_first_rank_is_unknown_or_too_high_is_left_out(
+    start: str | None, caplog: pytest.LogCaptureFixture,
+) -> None:
+    ms = _with_annotations(server(), **{"pdgate.io/data-parallel-size": "4",
+                                        "pdgate.io/data-parallel-size-local": "2",
+                                        "pdgate.io/data-parallel-lb": "hybrid"})
+    pods = [_lws_pod("known", 0), _lws_pod("unknown", None, start=start)]
+    targets = build_snapshot([], [ms], pods).servers[("default", "ms")].aggregated
+    assert [e.key for e in targets] == ["default/known/dp0", "default/known/dp1"]
+    assert "pod default/unknown: its first data-parallel rank" in caplog.text
+
+
+@pytest.mark.parametrize("notes", [
+    {"pdgate.io/data-parallel-size-local": "2"},  # internal: only the head serves
+    {"pdgate.io/data-parallel-size-local": "5", "pdgate.io/data-parallel-lb": "hybrid"},
+    {"pdgate.io/data-parallel-size-local": "0", "pdgate.io/data-parallel-lb": "hybrid"},
+])
+def test_a_local_size_that_cannot_apply_means_every_rank_on_each_pod(
+    notes: dict[str, str],
+) -> None:
+    ms = _with_annotations(server(), **{"pdgate.io/data-parallel-size": "4", **notes})
+    targets = build_snapshot([], [ms], [pod("a")]).servers[("default", "ms")].aggregated
+    assert [e.dp_rank for e in targets] == [0, 1, 2, 3]
+
+
 def test_data_parallel_size_is_read_for_vllm_servers_only() -> None:
     """SGLang pins a rank otherwise (and labels its metrics otherwise): one target a pod."""
     sglang = dataclasses.replace(server(), inference_engine="SGLang")

@@ -96,6 +96,7 @@ from router.scheduling.kv_wire import (
     Cleared,
     DecodeError,
     GroupChoice,
+    RankMismatch,
     Removed,
     Stored,
     apply_events,
@@ -134,6 +135,8 @@ class StreamTarget:
     topic: str
     scope: str
     space: int = 0  # the scope's KeySpace.ident: a change restarts the stream from scratch
+    #: The engine's data-parallel rank: a batch naming another is refused (None: any).
+    rank: int | None = None
 
 
 @dataclass(slots=True)
@@ -164,6 +167,7 @@ class PodEventStream:
         self._replay: zmq.asyncio.Socket | None = None
         self.batches = 0
         self._groups = GroupChoice()  # which KV cache group of this engine is indexed
+        self._rank_warned = False
 
     async def run(self) -> None:
         sub = self._context.socket(zmq.SUB)
@@ -188,7 +192,14 @@ class PodEventStream:
     def _apply(self, payload: bytes) -> None:
         started = time.thread_time()  # the CPU the index costs (one clock read a batch)
         try:
-            events = decode_batch(payload, self._groups)
+            events = decode_batch(payload, self._groups, self.target.rank)
+        except RankMismatch as exc:
+            self._metrics.kv_event_errors.inc()
+            if not self._rank_warned:  # every batch would say it: once a stream
+                self._rank_warned = True
+                log.warning("kv events from %s: %s (is the pod's first rank or the "
+                            "events port right?); its batches are dropped",
+                            self.target.key, exc)
         except DecodeError as exc:
             self._metrics.kv_event_errors.inc()
             log.warning("kv events from %s: undecodable batch: %s", self.target.key, exc)
@@ -366,6 +377,7 @@ def stream_targets(
                 topic=topic,
                 scope=scope,
                 space=space.ident if space is not None else 0,
+                rank=pod.dp_rank,
             )
     return out
 

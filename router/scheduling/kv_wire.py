@@ -149,6 +149,7 @@ class _WireCleared(_WireEvent, tag="AllBlocksCleared"):
 class _WireBatch(msgspec.Struct, array_like=True, gc=False):
     ts: float
     events: list[_WireStored | _WireRemoved | _WireCleared]
+    data_parallel_rank: int | None = None
 
 
 class _MapEvent(msgspec.Struct, tag=True, gc=False):
@@ -180,6 +181,7 @@ class _MapCleared(_MapEvent, tag="AllBlocksCleared"):
 class _MapBatch(msgspec.Struct, gc=False):
     ts: float
     events: list[_MapStored | _MapRemoved | _MapCleared]
+    data_parallel_rank: int | None = None
 
 
 class _MixedBatch(msgspec.Struct, array_like=True, gc=False):
@@ -187,6 +189,7 @@ class _MixedBatch(msgspec.Struct, array_like=True, gc=False):
 
     ts: float
     events: list[_MapStored | _MapRemoved | _MapCleared]
+    data_parallel_rank: int | None = None
 
 
 _array_decoder = msgspec.msgpack.Decoder(_WireBatch)
@@ -352,7 +355,9 @@ def _int_hashes(values: list[int]) -> list[int]:
     return values
 
 
-def _decode_typed(payload: bytes, groups: GroupChoice | None = None) -> list[KVEvent] | None:
+def _decode_typed(
+    payload: bytes, groups: GroupChoice | None = None, rank: int | None = None
+) -> list[KVEvent] | None:
     """The batch's events, or None when neither typed layout accepts the batch."""
     batch: _WireBatch | _MapBatch | _MixedBatch
     try:
@@ -365,6 +370,7 @@ def _decode_typed(payload: bytes, groups: GroupChoice | None = None) -> list[KVE
                 batch = _mixed_decoder.decode(payload)
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None
+    _check_rank(batch.data_parallel_rank, rank)
     groups = groups or GroupChoice()
     for raw in batch.events:  # the batch's kinds first: its events are kept by all of them
         if isinstance(raw, _STORED_TYPES) and raw.kv_cache_spec_kind is not None:
@@ -388,24 +394,43 @@ def _decode_typed(payload: bytes, groups: GroupChoice | None = None) -> list[KVE
     return runs.events()
 
 
-def decode_batch(payload: bytes, groups: GroupChoice | None = None) -> list[KVEvent]:
+def decode_batch(
+    payload: bytes, groups: GroupChoice | None = None, rank: int | None = None
+) -> list[KVEvent]:
     """The events of one msgpack KVEventBatch (array or map encoded; see the docstring).
     `groups`: the stream's group choice, which this batch's events may teach (None: a
-    fresh one, as for a stream's first batch)."""
+    fresh one, as for a stream's first batch). `rank`: the data-parallel rank the stream
+    belongs to; a batch naming another (`data_parallel_rank`: the ports point at another
+    engine, e.g. a pod's first rank misdeclared) is refused with `RankMismatch`, so its
+    blocks are never credited to the wrong target. A batch naming none is taken."""
     groups = groups or GroupChoice()
-    fast = _decode_typed(payload, groups)
-    return fast if fast is not None else _decode_generic(payload, groups)
+    fast = _decode_typed(payload, groups, rank)
+    return fast if fast is not None else _decode_generic(payload, groups, rank)
 
 
-def _decode_generic(payload: bytes, groups: GroupChoice | None = None) -> list[KVEvent]:
+class RankMismatch(DecodeError):
+    """A batch of another data-parallel rank than the stream's."""
+
+
+def _check_rank(found: Any, expected: int | None) -> None:
+    if expected is not None and found is not None and found != expected:
+        raise RankMismatch(f"a batch of data-parallel rank {found!r} on the stream of "
+                           f"rank {expected}")
+
+
+def _decode_generic(
+    payload: bytes, groups: GroupChoice | None = None, rank: int | None = None
+) -> list[KVEvent]:
     try:
         batch = _decoder.decode(payload)
     except msgspec.DecodeError as exc:
         raise DecodeError(str(exc)) from None
     if isinstance(batch, list) and len(batch) >= 2:
         events = batch[1]
+        _check_rank(batch[2] if len(batch) > 2 else None, rank)
     elif isinstance(batch, dict):
         events = batch.get("events")
+        _check_rank(batch.get("data_parallel_rank"), rank)
     else:
         raise DecodeError("batch is neither [ts, events, dp_rank] nor a map")
     if not isinstance(events, list):
@@ -453,6 +478,7 @@ __all__ = [
     "DecodeError",
     "GroupChoice",
     "KVEvent",
+    "RankMismatch",
     "Removed",
     "Stored",
     "apply_events",

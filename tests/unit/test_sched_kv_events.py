@@ -29,7 +29,13 @@ from router.scheduling.kv_events import (
     decode_batch,
     stream_targets,
 )
-from router.scheduling.kv_wire import GroupChoice, _decode_generic, _decode_typed, apply_events
+from router.scheduling.kv_wire import (
+    GroupChoice,
+    RankMismatch,
+    _decode_generic,
+    _decode_typed,
+    apply_events,
+)
 from router.scheduling.metrics import SchedulerMetrics
 from router.scheduling.precise_index import PrecisePrefixIndex
 from router.view import DataParallel, Endpoint, PDGroupPods, ServerPods, Snapshot
@@ -408,6 +414,43 @@ async def test_a_gap_without_replay_clears_and_rebuilds() -> None:
         assert rig.metric("pdgate_kv_event_resyncs_total", how="clear") == 1
     finally:
         await rig.close()
+
+
+def test_a_batch_of_another_data_parallel_rank_is_refused_in_every_layout() -> None:
+    """A rank's stream takes its own batches and those naming no rank; a batch naming
+    another rank (the ports reach another engine) is refused, array, map or generic."""
+    event = stored(1, 2)
+    map_event = MapBlockStored([1, 2], None, list(range(32)), 16, None, "GPU", None)
+    assert decode_batch(payload(event, rank=1), rank=1)
+    assert decode_batch(payload(event, rank=None), rank=1)
+    assert decode_batch(payload(event, rank=0))  # no rank expected: any
+    for raw in (payload(event, rank=0),
+                _encoder.encode(MapBatch(time.time(), [map_event], 0)),
+                _encoder.encode([time.time(), [["BlockStored", [b"\x01"], None, [], 16,
+                                                 None, "GPU"]], 0])):
+        with pytest.raises(RankMismatch, match="rank 0 on the stream of rank 1"):
+            decode_batch(raw, rank=1)
+
+
+async def test_a_rank_stream_drops_another_ranks_batches_and_warns_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    index = PrecisePrefixIndex()
+    registry = CollectorRegistry()
+    context = zmq.asyncio.Context()
+    try:
+        target = StreamTarget("ns/p/dp1", "tcp://127.0.0.1:1", None, "", "ns/srv", rank=1)
+        stream = PodEventStream(target, index, context, SchedulerMetrics(registry),
+                                StreamSettings(0.5, False))
+        await stream.handle(0, payload(stored(1, 2), rank=0))
+        await stream.handle(1, payload(stored(3), rank=0))
+        assert index.blocks_of("ns/p/dp1") == set()
+        assert registry.get_sample_value("pdgate_kv_event_errors_total") == 2
+        assert caplog.text.count("a batch of data-parallel rank 0") == 1
+        await stream.handle(2, payload(stored(4), rank=1))
+        assert index.blocks_of("ns/p/dp1") == {4}
+    finally:
+        context.term()
 
 
 async def test_a_replay_that_cannot_cover_the_gap_clears() -> None:

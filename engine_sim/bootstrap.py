@@ -19,8 +19,11 @@ mooncake_utils.py `MooncakeBootstrapServer`; mooncake_connector.py
   `{"<dp_rank>": {"engine_id": str, "worker_addr": {"<tp_rank>": {"<pp_rank>":
   "tcp://host:port"}}}}` (FastAPI turns the int keys into strings). `{}` until a worker
   has registered; with data parallelism one entry per rank, its engine id
-  `<--engine-id>_dp<rank>`. Newer vLLM adds fields (`tp_size`, `pp_size`, ...); readers
-  ignore them.
+  `<--engine-id>_dp<rank>`. On a node of a multi-node deployment (hybrid or external load
+  balancing) each node serves its own bootstrap server, listing its engines under their
+  local ranks 0..L-1 (vLLM's worker registers `data_parallel_rank_local` when
+  `local_engines_only`, else the global rank; its engine ids carry the local rank too).
+  Newer vLLM adds fields (`tp_size`, `pp_size`, ...); readers ignore them.
   The simulator has no ZMQ side channel: its worker address names its HTTP port.
 - `POST /register` `{engine_id, dp_rank, tp_rank, pp_rank, addr}` -> `{"status": "ok"}`;
   400 when the rank already has another engine id or the worker slot is taken.
@@ -180,8 +183,9 @@ class BootstrapServer:
             self._runner = None
 
     def register_self(self, engine_id: str, host: str, port: int, dp_rank: int = 0) -> None:
-        """Register the worker (tp 0, pp 0) of this pod's engine `dp_rank`, as vLLM's
-        worker does at start: one server lists every data-parallel rank of the pod."""
+        """Register the worker (tp 0, pp 0) of this pod's engine `dp_rank` (its local
+        rank: the global one unless the pod is one node of several), as vLLM's worker does
+        at start: one server lists every data-parallel rank of the pod."""
         self.registry.register(engine_id, dp_rank, 0, 0, f"tcp://{host}:{port}")
 
     async def query(self, request: web.Request) -> web.Response:

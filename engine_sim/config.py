@@ -56,9 +56,13 @@ class SimConfig:
     # transfer cost (bytes per token / bandwidth), or this fixed cost per token if set.
     store_prefix_cache: bool = False
     store_load_per_token_s: float | None = None
-    # vLLM's --data-parallel-size with one API server: ranks 0..N-1, each a whole engine
-    # (engine_sim.data_parallel).
+    # vLLM's --data-parallel-size: the deployment's ranks 0..N-1, each a whole engine
+    # (engine_sim.data_parallel). This process runs ranks S..S+L-1 (S: start rank, L: local
+    # size, None: N); L < N is one node of a multi-node deployment, whose API server serves
+    # its own ranks only (hybrid or external load balancing; cli.py checks the flags).
     data_parallel_size: int = 1
+    data_parallel_size_local: int | None = None
+    data_parallel_start_rank: int = 0
     max_num_seqs: int = 256
     # Tokens a step computes at most: a longer prompt is prefilled in chunks (compute.py).
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
@@ -74,3 +78,10 @@ class SimConfig:
     # default, "stand-in" for the deterministic stand-in.
     tokenizer: str = DEFAULT_TOKENIZER
     chat_template: str | None = None
+
+    @property
+    def data_parallel_ranks(self) -> range:
+        """The global ranks this process runs, in order (vLLM's `engine_ranks_managed`)."""
+        local = self.data_parallel_size_local
+        start = self.data_parallel_start_rank
+        return range(start, start + (self.data_parallel_size if local is None else local))

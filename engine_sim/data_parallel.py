@@ -16,6 +16,19 @@ stats); this module only routes requests to them, as vLLM's API server does:
   after every balanced pick. vLLM reads waiting / running / KV usage from the coordinator's
   snapshot (every 100 ms) and bumps the chosen rank's waiting count until the next one; the
   simulator reads the live counts instead, so it needs no such bump.
+
+One node of a multi-node deployment (`--data-parallel-size-local L`,
+`--data-parallel-start-rank S` with `--data-parallel-hybrid-lb`, or `--data-parallel-rank R`):
+the process runs global ranks S..S+L-1 and its API server serves those only (vLLM's
+`local_engines_only`, true with hybrid or external load balancing). vLLM's client then
+manages `engine_ranks_managed = range(S, S + L)` and takes the header's value as an INDEX
+into that list (`MPClient.__init__`, `DPLBAsyncMPClient.get_core_engine_for_request`), and
+the input processor checks it against [0, L) instead of [0, N): so `X-data-parallel-rank: i`
+pins the engine of global rank S + i, and the balancer spreads unpinned requests over the
+local engines only. `EngineGroup` holds the local engines in rank order, so its index is
+that header value in every mode (with one API server for all ranks, S = 0 and L = N: the
+index is the rank). Everything else names an engine by its global rank (`Engine.rank`):
+KV events ports and batches, the `engine` metric label, debug views.
 """
 
 from __future__ import annotations
@@ -46,14 +59,20 @@ def rank_from_header(value: str | None) -> int | None:
 
 
 def check_rank(rank: int, size: int) -> None:
-    """Refuse a rank the server does not have, as vLLM does (400)."""
+    """Refuse a rank the server does not have, as vLLM does (400). `size` is the number of
+    engines the server serves: N with one API server for all ranks, L with hybrid or
+    external load balancing (vLLM's `num_ranks`)."""
     if not 0 <= rank < size:
         raise RequestError(f"data_parallel_rank {rank} is out of range [0, {size}).")
 
 
-def rank_engine_id(engine_id: str, rank: int, size: int) -> str:
-    """A rank's KV-connector engine id: vLLM suffixes `_dp<rank>` when data parallel."""
-    return engine_id if size == 1 else f"{engine_id}_dp{rank}"
+def rank_engine_id(engine_id: str, local_rank: int, size: int) -> str:
+    """An engine's KV-connector engine id: vLLM suffixes `_dp<local_dp_rank>` when data
+    parallel (`EngineCoreProc.run_engine_core`). The local rank is the engine's index on its
+    node (`CoreEngineProcManager` counts it from 0 on every node of `vllm serve`), so it is
+    the global rank with one API server for all ranks, and 0..L-1 on each node otherwise:
+    node ids differ by their base id (vLLM's default is a random uuid per process)."""
+    return engine_id if size == 1 else f"{engine_id}_dp{local_rank}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +107,9 @@ class Balancer:
 
 
 class EngineGroup:
-    """The N engine cores behind one HTTP server, rank order."""
+    """The engine cores behind one HTTP server, in global rank order: all N ranks, or the
+    L ranks of one node (module docstring). Indexes into `engines` are what
+    `X-data-parallel-rank` names."""
 
     def __init__(self, engines: Sequence[Engine]) -> None:
         if not engines:
@@ -101,7 +122,8 @@ class EngineGroup:
         return len(self.engines)
 
     def choose(self, header: str | None) -> int:
-        """The rank for a request with this `X-data-parallel-rank` value (or None)."""
+        """The index into `engines` for a request with this `X-data-parallel-rank` value (or
+        None): vLLM's index into the client's `core_engines`."""
         rank = rank_from_header(header)
         if rank is None:
             return self.balancer.pick(
@@ -126,21 +148,28 @@ class EngineGroup:
 def rank_view(
     engines: Sequence[Engine], query: str | None, view: Callable[[Engine], dict[str, Any]]
 ) -> dict[str, Any]:
-    """A debug view's body (`/sim/stats`, `/sim/cache`): the one engine's `view`, rank R's
-    with `?rank=R`, else `{"data_parallel_size": N, "ranks": [each rank's, with its
-    "data_parallel_rank"]}`. Raises ValueError for a rank the server does not have."""
-    rank = rank_query(query, len(engines))
-    if rank is not None or len(engines) == 1:
-        return view(engines[rank or 0])
-    return {"data_parallel_size": len(engines),
+    """A debug view's body (`/sim/stats`, `/sim/cache`): the one engine's `view`, global
+    rank R's with `?rank=R`, else `{"data_parallel_size": N, "ranks": [each rank's, with its
+    "data_parallel_rank"]}`. A node of a larger deployment (L < N) always lists its ranks,
+    even one, and says which: `data_parallel_size_local` L and `data_parallel_start_rank` S
+    after N. Raises ValueError for a rank the server does not run."""
+    config = engines[0].config
+    ranks = range(engines[0].rank, engines[0].rank + len(engines))
+    index = rank_query(query, ranks)
+    partial = len(engines) < config.data_parallel_size
+    if index is not None or (len(engines) == 1 and not partial):
+        return view(engines[index or 0])
+    node = {"data_parallel_size_local": len(engines), "data_parallel_start_rank": ranks.start}
+    return {"data_parallel_size": config.data_parallel_size, **(node if partial else {}),
             "ranks": [{"data_parallel_rank": e.rank, **view(e)} for e in engines]}
 
 
-def rank_query(value: str | None, size: int) -> int | None:
-    """`?rank=R` of the debug views: one rank's own body; raises ValueError if not a rank."""
+def rank_query(value: str | None, ranks: range) -> int | None:
+    """`?rank=R` of the debug views, a global rank: the index of its engine among `ranks`
+    (the server's); raises ValueError if the server does not run it."""
     if value is None:
         return None
     rank = int(value)
-    if not 0 <= rank < size:
-        raise ValueError(f"rank {rank} is out of range [0, {size})")
-    return rank
+    if rank not in ranks:
+        raise ValueError(f"rank {rank} is out of range [{ranks.start}, {ranks.stop})")
+    return rank - ranks.start

@@ -74,11 +74,17 @@ class Engine:
         tokenizer: PromptTokenizer | None = None,
         *,
         rank: int = 0,
+        local_rank: int | None = None,
         metric_families: MetricFamilies | None = None,
     ) -> None:
         self.config = config
-        self.rank = rank  # data-parallel rank (0 without data parallelism)
-        self.engine_id = rank_engine_id(config.engine_id, rank, config.data_parallel_size)
+        # Global data-parallel rank (0 without data parallelism): KV events, metrics, stats.
+        self.rank = rank
+        # Index among this process's engines (vLLM's local_dp_rank; None: the rank): the
+        # engine id's suffix and the bootstrap server's dp_rank.
+        self.local_rank = rank if local_rank is None else local_rank
+        self.engine_id = rank_engine_id(config.engine_id, self.local_rank,
+                                        config.data_parallel_size)
         self.tokenizer = tokenizer or load_tokenizer(config.tokenizer, config.chat_template)
         self.limits = Limits(config.model, config.max_model_len, config.default_max_tokens,
                              tuple(name for name, _ in config.lora_modules))

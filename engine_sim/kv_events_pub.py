@@ -36,6 +36,9 @@ Data parallelism (`--data-parallel-size N`): rank r is an engine of its own with
 publisher on the events port + r and the replay port + r (vLLM's
 `ZmqEventPublisher.offset_endpoint_port`), its own sequence numbers, and r as every batch's
 `data_parallel_rank`; the topic is the same. Rank 0 is what a server of one engine is.
+A node of a multi-node deployment (ranks S..S+L-1) publishes under the GLOBAL ranks too:
+vLLM's scheduler creates its publisher with `parallel_config.data_parallel_index`, the
+engine's global rank, which offsets both ports and fills `data_parallel_rank`.
 
 Media: the pod's own cache publishes `medium="GPU"`. Blocks a prefill pod writes to the
 Mooncake Store are published as vLLM's `MooncakeStoreConnector` publishes them: one
@@ -497,9 +500,9 @@ def offset_port(port: int, rank: int) -> int:
 
 
 def start_kv_events(config: SimConfig, rank: int = 0) -> KVEventPublisher | None:
-    """Rank `rank`'s publisher (the pod's, without data parallelism), or None when
+    """Global rank `rank`'s publisher (the pod's, without data parallelism), or None when
     disabled or (default ports only) not bindable. Its ports are the configured ones plus
-    the rank.
+    the global rank (not the engine's index on its node: vLLM's `data_parallel_index`).
 
     With the default ports a bind failure is only logged: several simulated pods may share
     one address in tests. An explicit `--kv-events-port` that cannot be bound raises
@@ -548,8 +551,9 @@ def add_debug_routes(app: web.Application, engines: Sequence[Engine]) -> None:
     wait until a subscriber has seen that batch and compare.
 
     With data parallelism (several engines) the body is `{"data_parallel_size": N,
-    "ranks": [<that body and "data_parallel_rank"> per rank]}`; `?rank=R` answers rank R's
-    body alone, as a server of one engine does."""
+    "ranks": [<that body and "data_parallel_rank"> per rank]}`; `?rank=R` answers global
+    rank R's body alone, as a server of one engine does (`data_parallel.rank_view`: a node
+    of a larger deployment adds `data_parallel_size_local` and `data_parallel_start_rank`)."""
 
     async def sim_cache(request: web.Request) -> web.Response:
         try:

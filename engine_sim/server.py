@@ -539,7 +539,8 @@ class SimServer:
 
     async def sim_stats(self, request: web.Request) -> web.Response:
         """One engine's stats; with data parallelism `{"data_parallel_size": N, "ranks":
-        [each rank's]}`, or rank R's alone with `?rank=R`. Then the server's own fields."""
+        [each rank's]}`, or global rank R's alone with `?rank=R` (400 for a rank this
+        server does not run; `data_parallel.rank_view`). Then the server's own fields."""
         try:
             stats = rank_view(self.group.engines, request.query.get("rank"),
                               lambda engine: engine.stats_json())

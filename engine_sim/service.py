@@ -6,11 +6,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from aiohttp import web
 
-from engine_sim.bootstrap import start_bootstrap
+from engine_sim.bootstrap import BootstrapServer, start_bootstrap
 from engine_sim.config import SimConfig
 from engine_sim.data_parallel import EngineGroup
 from engine_sim.engine import Engine
@@ -69,9 +70,8 @@ async def serve(config: SimConfig, stop: asyncio.Event) -> None:
             for engine in engines:
                 engine.bootstrap = bootstrap
                 engine.address = (config.advertise_host, port)
-                if bootstrap is not None:
-                    bootstrap.register_self(engine.engine_id, config.advertise_host, port,
-                                            engine.rank)
+            if bootstrap is not None:
+                register_workers(bootstrap, engines, config.advertise_host, port)
             if config.port_file:
                 _write_atomically(Path(config.port_file), f"{port}\n")
             log.info(
@@ -99,12 +99,13 @@ async def serve(config: SimConfig, stop: asyncio.Event) -> None:
 def start_engines(
     config: SimConfig, store: KVStore | None, publishers: list[KVEventPublisher]
 ) -> list[Engine]:
-    """One engine per data-parallel rank, each with its KV events publisher (appended to
-    `publishers` as it starts, for the caller to close), sharing the store, the tokenizer
-    and the `/metrics` page."""
+    """One engine per data-parallel rank this process runs (`config.data_parallel_ranks`:
+    all N, or one node's), each with its KV events publisher (appended to `publishers` as
+    it starts, for the caller to close), sharing the store, the tokenizer and the
+    `/metrics` page. Each engine keeps its global rank; its index here is its local rank."""
     families = MetricFamilies(config.block_size, config.kv_capacity_blocks)
     engines: list[Engine] = []
-    for rank in range(config.data_parallel_size):
+    for local_rank, rank in enumerate(config.data_parallel_ranks):
         # Before the engine: its prefix cache reports every block from the first request on.
         kv_events = start_kv_events(config, rank)
         if kv_events is not None:
@@ -115,11 +116,23 @@ def start_engines(
             kv_events.on_cache_event if kv_events else None,
             engines[0].tokenizer if engines else None,
             rank=rank,
+            local_rank=local_rank,
             metric_families=families,
         )
         engine.kv_events = kv_events
         engines.append(engine)
     return engines
+
+
+def register_workers(
+    bootstrap: BootstrapServer, engines: Sequence[Engine], host: str, port: int
+) -> None:
+    """List every engine of the pod on its bootstrap server under its local rank: vLLM's
+    worker registers `data_parallel_rank_local` when the server serves its local engines
+    only (hybrid or external load balancing; each node then has its own bootstrap server),
+    else the global rank, the same number with one API server for all ranks."""
+    for engine in engines:
+        bootstrap.register_self(engine.engine_id, host, port, engine.local_rank)
 
 
 def _write_atomically(path: Path, text: str) -> None:

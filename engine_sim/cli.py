@@ -22,6 +22,7 @@ from engine_sim.bootstrap import (
 )
 from engine_sim.compute import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from engine_sim.config import Role, SimConfig
+from engine_sim.data_parallel import check_layout
 from engine_sim.faults import FaultSpec, check_spec
 from engine_sim.kv_blocks import DEFAULT_KV_BLOCK_BYTES
 from engine_sim.kv_events_pub import DEFAULT_EVENTS_PORT, DEFAULT_REPLAY_PORT, KVEventsError
@@ -108,9 +109,37 @@ def build_parser() -> argparse.ArgumentParser:
         "-dp",
         type=int,
         default=1,
-        help="engine cores behind this server, ranks 0..N-1, each with its own cache, "
+        help="engine cores of the deployment, ranks 0..N-1, each with its own cache, "
         "scheduler, KV events ports (+rank) and engine id (_dp<rank>); X-data-parallel-rank "
         "pins a request, else the least loaded rank serves it (vLLM's flag)",
+    )
+    add(
+        "--data-parallel-size-local",
+        "-dpl",
+        type=int,
+        help="ranks this process runs, a node of a multi-node deployment (default: "
+        "--data-parallel-size); fewer needs --data-parallel-hybrid-lb (vLLM's flag)",
+    )
+    add(
+        "--data-parallel-start-rank",
+        "-dpr",
+        type=int,
+        help="global rank of this node's first engine (default 0; a nonzero one implies "
+        "--data-parallel-hybrid-lb, as in vLLM)",
+    )
+    add(
+        "--data-parallel-hybrid-lb",
+        "-dph",
+        action="store_true",
+        help="this server serves its local ranks only: X-data-parallel-rank i pins global "
+        "rank start + i (vLLM's flag)",
+    )
+    add(
+        "--data-parallel-rank",
+        "-dpn",
+        type=int,
+        help="run the one engine of global rank R behind its own server (vLLM's external "
+        "load balancing: local size 1, start rank R)",
     )
     add(
         "--max-num-batched-tokens",
@@ -300,22 +329,77 @@ def parse_config(argv: Sequence[str] | None = None) -> SimConfig:
     return _parse(argv)[0]
 
 
-def _rank_ports(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Rank r binds the events and replay ports + r: the two runs must not overlap.
+def _data_parallel_layout(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Resolve which global ranks this process runs into `args.data_parallel_size_local`
+    (L) and `args.data_parallel_start_rank` (S), refusing what vLLM refuses or the
+    simulator cannot play.
 
-    With the default ports they would (5557 + 1 is 5558), so with data parallelism replay
-    is off unless a port is given, as in vLLM, whose replay socket is off by default; a
-    given replay port inside the events ports' run is refused."""
+    As vLLM's `EngineArgs.create_engine_config`: `--data-parallel-rank R` is external load
+    balancing, one engine of rank R (a local size other than 1 is refused); a nonzero start
+    rank on a node with an API server implies hybrid load balancing; a node running every
+    rank is internal load balancing whatever the flags. Hybrid and external both make the
+    server serve its local engines only. Beyond vLLM: the rank with the hybrid flag is
+    refused (vLLM ignores the flag), and so is a node running part of the ranks without
+    either (S = 0, L < N): with vLLM's internal balancing across nodes only the head node
+    has an API server and the others run `--headless`, which the simulator does not."""
     size = args.data_parallel_size
+    if args.data_parallel_rank is not None:
+        rank = args.data_parallel_rank
+        if args.data_parallel_hybrid_lb:
+            parser.error("--data-parallel-rank (external load balancing) and "
+                         "--data-parallel-hybrid-lb exclude each other")
+        if args.data_parallel_size_local not in (None, 1):
+            parser.error("--data-parallel-rank runs one engine: --data-parallel-size-local "
+                         "must be 1")
+        if args.data_parallel_start_rank not in (None, rank):
+            parser.error(f"--data-parallel-start-rank {args.data_parallel_start_rank} "
+                         f"contradicts --data-parallel-rank {rank}")
+        if not 0 <= rank < size:
+            parser.error(f"--data-parallel-rank {rank} is out of range [0, {size})")
+        local, start, local_only = 1, rank, True
+    else:
+        if args.data_parallel_hybrid_lb and args.data_parallel_size_local is None:
+            parser.error("--data-parallel-hybrid-lb needs --data-parallel-size-local")
+        local = size if args.data_parallel_size_local is None else args.data_parallel_size_local
+        start = args.data_parallel_start_rank or 0
+        local_only = args.data_parallel_hybrid_lb or start > 0
+    try:
+        check_layout(size, local, start)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if local < size and not local_only:
+        parser.error(
+            f"--data-parallel-size-local {local} < --data-parallel-size {size} runs part of "
+            "the ranks: give --data-parallel-hybrid-lb (this server serves its own ranks) or "
+            "--data-parallel-rank R; the simulator has no headless nodes, which vLLM's "
+            "internal load balancing across nodes needs"
+        )
+    args.data_parallel_size_local, args.data_parallel_start_rank = local, start
+
+
+def _rank_ports(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Global rank r binds the events and replay ports + r: the two runs of this process's
+    ranks S..S+L-1 must not overlap. The offset S moves both runs alike, so they overlap
+    when the two bases are fewer than L apart.
+
+    With the default ports they would for L > 1 (5557 + 1 is 5558), so with more than one
+    local rank replay is off unless a port is given, as in vLLM, whose replay socket is off
+    by default; a given replay port inside the events ports' run is refused. One local
+    rank (no data parallelism, `--data-parallel-rank R`, or L = 1) binds one port of each
+    run, events + S and replay + S, which differ whenever the bases do: the single
+    engine's default replay port (5558, + S) stays on."""
+    local = args.data_parallel_size_local
     events = DEFAULT_EVENTS_PORT if args.kv_events_port is None else args.kv_events_port
-    if size == 1 or not events:
+    if local == 1 or not events:
         return
     if args.kv_events_replay_port is None:
         args.kv_events_replay_port = 0
     replay = args.kv_events_replay_port
-    if replay and abs(replay - events) < size:
+    start = args.data_parallel_start_rank
+    if replay and abs(replay - events) < local:
+        bound = f" (both + start rank {start})" if start else ""
         parser.error(f"--kv-events-replay-port {replay} is inside the events ports "
-                     f"{events}..{events + size - 1} of {size} ranks")
+                     f"{events}..{events + local - 1} of {local} ranks{bound}")
 
 
 def _parse(argv: Sequence[str] | None) -> tuple[SimConfig, argparse.Namespace]:
@@ -344,6 +428,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[SimConfig, argparse.Namespace]:
         value = getattr(args, name)
         if value is not None and not 0 <= value < 65536:
             parser.error(f"--{name.replace('_', '-')} must be a TCP port (0: off)")
+    _data_parallel_layout(parser, args)
     _rank_ports(parser, args)
     try:
         faults = _fault_spec(args)
@@ -384,6 +469,8 @@ def _parse(argv: Sequence[str] | None) -> tuple[SimConfig, argparse.Namespace]:
         block_ids_per_group=args.block_ids_per_group,
         max_num_seqs=args.max_num_seqs,
         data_parallel_size=args.data_parallel_size,
+        data_parallel_size_local=args.data_parallel_size_local,
+        data_parallel_start_rank=args.data_parallel_start_rank,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_waiting=args.max_waiting,
         max_model_len=args.max_model_len,

@@ -75,6 +75,26 @@ def rank_engine_id(engine_id: str, local_rank: int, size: int) -> str:
     return engine_id if size == 1 else f"{engine_id}_dp{local_rank}"
 
 
+#: Bound on --data-parallel-size: vLLM's engine identities are 2-byte little-endian ints.
+MAX_DATA_PARALLEL_SIZE: Final = 1 << 16
+
+
+def check_layout(size: int, size_local: int, start_rank: int) -> None:
+    """Refuse a node that runs ranks outside the deployment's 0..N-1 (ValueError)."""
+    if not 0 < size <= MAX_DATA_PARALLEL_SIZE:
+        raise ValueError(f"--data-parallel-size must be in 1..{MAX_DATA_PARALLEL_SIZE}")
+    if size_local < 1:
+        raise ValueError("--data-parallel-size-local must be positive")
+    if start_rank < 0:
+        raise ValueError("--data-parallel-start-rank must be >= 0")
+    if start_rank + size_local > size:
+        raise ValueError(
+            f"ranks {start_rank}..{start_rank + size_local - 1} (--data-parallel-start-rank "
+            f"{start_rank}, --data-parallel-size-local {size_local}) are past "
+            f"--data-parallel-size {size}"
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class Load:
     """What the balancer knows of one rank (vLLM's coordinator counts)."""

@@ -145,3 +145,69 @@ def test_bootstrap_lists_the_nodes_engines_under_their_local_ranks() -> None:
     assert {r: e.engine_id for r, e in bootstrap.registry.workers.items()} == {
         0: "eng_dp0", 1: "eng_dp1"}
 
+
+# -- flags -----------------------------------------------------------------------------------
+
+POD = ["--role", "both", "--port", "0", "--model", "m"]
+
+
+def _ranks(*flags: str) -> range:
+    from engine_sim.cli import parse_config
+
+    return parse_config([*POD, *flags]).data_parallel_ranks
+
+
+def test_flags_pick_the_nodes_ranks_as_vllm_does() -> None:
+    assert _ranks() == range(0, 1)
+    assert _ranks("-dp", "4") == range(0, 4)  # one API server for all ranks
+    hybrid = ["-dp", "4", "--data-parallel-size-local", "2", "--data-parallel-start-rank", "2"]
+    assert _ranks(*hybrid, "--data-parallel-hybrid-lb") == range(2, 4)
+    assert _ranks(*hybrid) == range(2, 4)  # vLLM infers hybrid from a nonzero start rank
+    assert _ranks("-dp", "4", "-dpl", "2", "-dph") == range(0, 2)  # the first node
+    assert _ranks("-dp", "4", "--data-parallel-rank", "3") == range(3, 4)  # external LB
+    assert _ranks("-dp", "4", "-dpn", "1", "-dpl", "1", "-dpr", "1") == range(1, 2)
+    assert _ranks("-dp", "2", "-dpl", "2", "-dph") == range(0, 2)  # one node: internal LB
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["-dp", "4", "-dpl", "2"], "runs part of the ranks"),  # no headless nodes here
+        (["-dp", "4", "-dpl", "0", "-dph"], "--data-parallel-size-local must be positive"),
+        (["-dp", "4", "-dpl", "2", "-dpr", "-1", "-dph"], "must be >= 0"),
+        (["-dp", "4", "-dpl", "2", "-dpr", "3", "-dph"], "are past --data-parallel-size 4"),
+        (["-dp", "4", "-dpr", "1"], "are past --data-parallel-size 4"),  # L defaults to N
+        (["-dp", "4", "-dph"], "--data-parallel-hybrid-lb needs --data-parallel-size-local"),
+        (["-dp", "4", "-dpn", "1", "-dph"], "exclude each other"),
+        (["-dp", "4", "-dpn", "1", "-dpl", "2"], "--data-parallel-size-local must be 1"),
+        (["-dp", "4", "-dpn", "1", "-dpr", "2"], "contradicts --data-parallel-rank 1"),
+        (["-dp", "4", "-dpn", "4"], "--data-parallel-rank 4 is out of range [0, 4)"),
+        (["-dp", "4", "-dpn", "-1"], "--data-parallel-rank -1 is out of range [0, 4)"),
+    ],
+)
+def test_flags_refuse_what_vllm_or_the_simulator_cannot_run(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        _ranks(*flags)
+    assert message in capsys.readouterr().err
+
+
+def test_replay_ports_run_over_the_local_ranks() -> None:
+    """The events and replay runs are the local ranks' (+ S both): with more than one
+    local rank replay is off by default and a given one must be L away from the events
+    port; one local rank binds one port of each run, so the default replay stays on."""
+    from engine_sim.cli import parse_config
+
+    hybrid = [*POD, "-dp", "8", "-dpl", "2", "-dpr", "4", "-dph", "--kv-events-port", "6000"]
+    assert parse_config(hybrid).kv_events_replay_port == 0
+    assert parse_config([*hybrid, "--kv-events-replay-port", "6002"]).kv_events_replay_port \
+        == 6002
+    with pytest.raises(SystemExit):
+        parse_config([*hybrid, "--kv-events-replay-port", "6001"])  # 6005 is rank 5's events
+    external = [*POD, "-dp", "8", "--data-parallel-rank", "5"]
+    assert parse_config(external).kv_events_replay_port is None  # 5558 + 5: on, as one engine
+    assert parse_config([*POD, "-dp", "8", "-dpl", "1", "-dpr", "5", "-dph"]) \
+        .kv_events_replay_port is None
+    # Several ranks of one API server: as before, the whole run of N ranks.
+    assert parse_config([*POD, "-dp", "2"]).kv_events_replay_port == 0

@@ -1,6 +1,7 @@
 """engine_sim with `--data-parallel-size 2` as a real process: requests pinned to a rank hit
 only that rank's prefix cache, each rank publishes its KV events on its own port with its
-rank, and /metrics has both engines."""
+rank, and /metrics has both engines. Then one node of a 4-rank deployment (hybrid load
+balancing): the header's local index pins a global rank, which names everything else."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import aiohttp
 import pytest
 import zmq
 import zmq.asyncio
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine_sim.ports import free_port_runs
 from tests.vllm_kv_events import MapBlockStored, map_decoder
@@ -131,4 +133,63 @@ async def test_two_ranks_two_caches_two_event_ports_one_metrics_page(
     finally:
         for sub in subs:
             sub.close(0)
+        context.term()
+
+
+async def test_hybrid_node_serves_its_global_ranks_by_local_index(
+    sim_pod: Callable[..., SimPod],
+) -> None:
+    """The second node of a 4-rank deployment (`--data-parallel-size 4
+    --data-parallel-size-local 2 --data-parallel-start-rank 2 --data-parallel-hybrid-lb`,
+    as llm-d's wide-EP guide runs vLLM): `X-data-parallel-rank: 1` is global rank 3, whose
+    KV events come on events port + 3 with `data_parallel_rank` 3, and /metrics has
+    engines 2 and 3 only."""
+    base, replay = free_port_runs(2, 4)
+    pod = sim_pod(role="both", fast=True, data_parallel_size=4, data_parallel_size_local=2,
+                  data_parallel_start_rank=2, data_parallel_hybrid_lb=True,
+                  kv_events_port=base, kv_events_replay_port=replay)
+    context = zmq.asyncio.Context()
+    sub = context.socket(zmq.SUB)
+    try:
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(f"tcp://{HOST}:{base + 3}")
+        async with aiohttp.ClientSession() as http:
+            await subscribed(http, pod, sub, 1)  # index 1: global rank 3
+            before = (await get(http, pod, "/sim/cache?rank=3"))["block_hashes"]
+            status, _ = await post(http, pod, LONG_PROMPT, "1")
+            assert status == 200
+
+            served = await get(http, pod, "/sim/stats?rank=3")
+            assert served["data_parallel_rank"] == 3
+            assert [r["rank"] for r in served["recent"] if r["prompt_tokens"] > 300] == [3]
+            other = await get(http, pod, "/sim/stats?rank=2")
+            assert not [r for r in other["recent"] if r["prompt_tokens"] > 300]
+            stats = await get(http, pod, "/sim/stats")
+            assert [stats[k] for k in ("data_parallel_size", "data_parallel_size_local",
+                                       "data_parallel_start_rank")] == [4, 2, 2]
+            assert [r["data_parallel_rank"] for r in stats["ranks"]] == [2, 3]
+            async with http.get(f"{pod.base_url}/sim/stats?rank=1") as response:
+                assert response.status == 400  # rank 1 runs on another node
+
+            view = await get(http, pod, "/sim/cache?rank=3")
+            new = set(view["block_hashes"]) - set(before)
+            assert new, "rank 3 cached nothing of the long prompt"
+            batches = await stored_batches(sub, view["kv_events"]["last_seq"])
+            assert {b.data_parallel_rank for b in batches} == {3}
+            published = {h for b in batches for e in b.events
+                         if isinstance(e, MapBlockStored) for h in e.block_hashes}
+            assert new <= published
+
+            status, body = await post(http, pod, "short", "2")
+            assert status == 400
+            assert body["error"]["message"] == "data_parallel_rank 2 is out of range [0, 2)."
+
+            metrics = await get(http, pod, "/metrics")
+            engines = {sample.labels["engine"]
+                       for family in text_string_to_metric_families(metrics)
+                       for sample in family.samples if "engine" in sample.labels}
+            assert engines == {"2", "3"}
+    finally:
+        sub.close(0)
         context.term()

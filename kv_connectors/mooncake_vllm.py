@@ -30,8 +30,10 @@ Exchange, field by field, as pdgate sends it:
    this prefill pod, so another pair is tried and the client never sees a 4xx for it.
    The rank is the one the router picked when the prefill target is one rank of a
    data-parallel pod (`pdgate.io/data-parallel-size`; an answer without it is
-   `bad_bootstrap` too), else the client's `X-data-parallel-rank` if the answer has it,
-   else a random one.
+   `bad_bootstrap` too), named as vLLM registers it (`get_mooncake_dp_engine_index`): its
+   global rank behind one API server for every rank, its local index where each pod or
+   rank has an API server and a bootstrap server of its own (hybrid, external); else the
+   client's `X-data-parallel-rank` if the answer has it, else a random one.
 2. Router -> prefill, `POST <call.path>`, headers `call.headers` plus
    `X-data-parallel-rank: <dp_rank>` (pins the prefill to the engine whose id
    decode is given; the reference proxy always sends it). Body is the client's body
@@ -157,7 +159,11 @@ def _pick_engine(answer: Any, call: PDCall) -> tuple[str, str]:
     if not isinstance(answer, dict) or not answer:
         raise _bad_bootstrap(call)
     picked = call.prefill.dp_rank
-    wanted = str(picked) if picked is not None else _header(call.headers, DP_RANK_HEADER)
+    # vLLM registers a rank under its index among its API server's engines: the global
+    # rank with internal load balancing, the local one with hybrid or external (each
+    # such server runs its own bootstrap server; an external rank's engine is its 0).
+    own_index = call.prefill.rank_pin or "0"
+    wanted = own_index if picked is not None else _header(call.headers, DP_RANK_HEADER)
     if wanted is not None and wanted.strip() in answer:
         rank = wanted.strip()
     elif picked is not None:

@@ -667,6 +667,20 @@ async def test_mooncake_vllm_pins_the_rank_the_router_picked() -> None:
     assert caught.value.reason == "bad_bootstrap" and lonely.posts == []
 
 
+@pytest.mark.parametrize(("rank", "pin", "index"), [(3, "1", "1"), (3, None, "0")])
+async def test_mooncake_vllm_names_a_node_rank_by_its_local_index(
+    rank: int, pin: str | None, index: str
+) -> None:
+    """Hybrid (pin = local index) and external (no pin, one engine) servers each run a
+    bootstrap server listing their own engines by local index, as vLLM registers them
+    (`get_mooncake_dp_engine_index`): global rank 3 is entry 1, or 0."""
+    client = RecordingClient(query=query_answer(0, 1))
+    call = make_call(prefill=Pod("10.0.0.1", 8000, dp_rank=rank, rank_pin=pin))
+    handoff = await MooncakeVllmConnector().start(call, client)
+    await finish(handoff)
+    assert handoff.decode_body["kv_transfer_params"]["remote_engine_id"] == f"eng-{index}"
+
+
 async def test_mooncake_vllm_picks_a_rank_and_its_engine() -> None:
     client = RecordingClient(query=query_answer(0, 1, 2, 3))
     seen = set()

@@ -1,0 +1,204 @@
+"""A data-parallel deployment across pods end to end, as llm-d's wide-EP guide runs vLLM.
+
+Four ranks over two pods of two: each pod runs `--data-parallel-size 4
+--data-parallel-size-local 2 --data-parallel-start-rank S --data-parallel-hybrid-lb`
+behind an API server of its own that serves only its ranks, and the header names a
+rank's LOCAL index there; each rank keeps its global rank for its KV events ports, its
+batches and its `engine` metric series. The ModelServers say so
+(`pdgate.io/data-parallel-size: "4"`, `pdgate.io/data-parallel-size-local: "2"`,
+`pdgate.io/data-parallel-lb: hybrid`), and each pod's first rank comes from its
+LeaderWorkerSet worker-index label (times 2), as the guide's `START_RANK`.
+
+- Aggregated: a prompt computed on global rank 3 (the second pod's local engine 1, sent
+  to it directly) is found through rank 3's own stream (events port + 3) and served
+  there through the router, which pins it with the local index.
+- PD over upstream vLLM's Mooncake flow, the prefill pod the second node (global ranks 2
+  and 3): its own bootstrap server lists its engines by local index, and the picked
+  rank's engine id is the one decode reads from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import openai
+import pytest
+
+from engine_sim.generation import expected_text
+from engine_sim.prompts import DEFAULT_CHAT_TEMPLATE, DEFAULT_TOKENIZER
+from tests.integration.harness import (
+    SimCluster,
+    SimPodSpec,
+    free_port,
+    get_json,
+    loopback_net,
+    metric_values,
+    pd_server_manifests,
+    pod_manifest,
+    write_yaml,
+)
+from tests.polling import eventually
+from tests.sim_tokens import chat_ids
+
+pytestmark = pytest.mark.integration
+
+AGG_MODEL = "m-hybrid"
+PD_MODEL = "m-hybrid-pd"
+NET = loopback_net()
+WORKER = "leaderworkerset.sigs.k8s.io/worker-index"
+LEADER = SimPodSpec("hya-0", f"{NET}.91", "both", labels={"app": "hya", WORKER: "0"})
+FOLLOWER = SimPodSpec("hya-1", f"{NET}.92", "both", labels={"app": "hya", WORKER: "1"})
+PREFILL = SimPodSpec("hyp-p", f"{NET}.93", "prefill", "g0",
+                     {"app": "hyp", "group": "g0", "role": "prefill", WORKER: "1"})
+DECODE = SimPodSpec("hyp-d", f"{NET}.94", "decode", "g0",
+                    {"app": "hyp", "group": "g0", "role": "decode", WORKER: "0"})
+PODS = (LEADER, FOLLOWER, PREFILL, DECODE)
+RANKS = {"pdgate.io/data-parallel-size": "4", "pdgate.io/data-parallel-size-local": "2",
+         "pdgate.io/data-parallel-lb": "hybrid"}
+SCHEDULER = """\
+profiles:
+  aggregated:
+    scorers:
+      - {type: precise-prefix-cache, weight: 1.0}
+      - {type: least-request, weight: 0.1}
+engineMetrics: {enabled: false}
+"""
+
+
+def start_rank(spec: SimPodSpec) -> int:
+    return int(spec.labels[WORKER]) * 2
+
+
+@dataclass
+class Cluster:
+    sim: SimCluster
+    port: int
+
+    def client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.sim.router_url}/v1", api_key="x",
+                                  max_retries=0)
+
+    def batches(self) -> float:
+        return sum(v for _, v in metric_values(self.sim.router_metrics(),
+                                                "pdgate_kv_event_batches_total"))
+
+    def last_record(self, spec: SimPodSpec, rank: int) -> dict[str, Any]:
+        stats = get_json(f"http://{spec.ip}:{self.port}/sim/stats?rank={rank}")
+        records: list[dict[str, Any]] = stats["recent"]
+        return records[-1]
+
+    def compute_at(self, spec: SimPodSpec, index: int, topic: str) -> None:
+        """A chat sent to a pod directly (past the router), pinned to its local `index`."""
+        body = json.dumps({"model": AGG_MODEL, "messages": messages(topic, "warm"),
+                           "max_tokens": 1}).encode()
+        request = urllib.request.Request(
+            f"http://{spec.ip}:{self.port}/v1/chat/completions", data=body,
+            headers={"Content-Type": "application/json", "X-data-parallel-rank": str(index)})
+        with urllib.request.urlopen(request, timeout=10):
+            pass
+
+    def wait_subscribed(self) -> None:
+        """Until the router reads every aggregated rank's stream: events published before
+        its SUB socket joined are lost (no replay with several ranks a pod), so each rank
+        computes fresh prompts until one of its batches reaches the router."""
+        for spec in (LEADER, FOLLOWER):
+            for index in (0, 1):
+                for attempt in range(50):
+                    batches = self.batches()
+                    self.compute_at(spec, index, f"subscribed-{spec.name}-{index}-{attempt}")
+                    deadline = time.monotonic() + 0.2
+                    while self.batches() == batches and time.monotonic() < deadline:
+                        time.sleep(0.01)
+                    if self.batches() > batches:
+                        break
+                else:
+                    raise AssertionError(f"{spec.name} engine {index}'s events never came")
+
+
+@pytest.fixture(scope="module")
+def cluster(mooncake_master: object, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    sim = SimCluster(mooncake_master, tmp_path_factory.mktemp("data-parallel-hybrid"))
+    ips = [spec.ip for spec in PODS]
+    port = free_port(ips)
+    bootstrap = free_port(ips)
+    while bootstrap == port:
+        bootstrap = free_port(ips)
+    try:
+        for spec, model in ((LEADER, AGG_MODEL), (FOLLOWER, AGG_MODEL), (PREFILL, PD_MODEL),
+                            (DECODE, PD_MODEL)):
+            sim.start_pod(spec, port, model, [
+                "--fast", "--data-parallel-size", "4", "--data-parallel-size-local", "2",
+                "--data-parallel-start-rank", str(start_rank(spec)), "--data-parallel-hybrid-lb",
+                "--bootstrap-port", str(bootstrap), "--kv-wait-timeout", "10"])
+        sim.wait_pods(port, PODS)
+        tokenizer = {"pdgate.io/tokenizer": DEFAULT_TOKENIZER,
+                     "pdgate.io/chat-template": str(DEFAULT_CHAT_TEMPLATE)}
+        agg = pd_server_manifests("hya", AGG_MODEL, pd=False, port=port, connector="http",
+                                  annotations={**RANKS, **tokenizer})
+        pd = pd_server_manifests(
+            "hyp", PD_MODEL, port=port, connector="mooncake",
+            annotations={**RANKS, **tokenizer, "pdgate.io/mooncake-protocol": "vllm",
+                         "pdgate.io/mooncake-bootstrap-port": str(bootstrap)},
+        )
+        write_yaml(sim.config_dir / "objects.yaml",
+                   [*agg, *pd, *(pod_manifest(spec) for spec in PODS)])
+        scheduler = sim.workdir / "scheduler.yaml"
+        scheduler.write_text(SCHEDULER)
+        sim.start_router(["--scheduler-config", str(scheduler)])
+        cluster = Cluster(sim, port)
+        cluster.wait_subscribed()
+        yield cluster
+    finally:
+        sim.stop()
+
+
+def messages(topic: str, question: str) -> list[dict[str, str]]:
+    system = f"You answer questions about {topic}, at length and with care. " * 20
+    return [{"role": "system", "content": system}, {"role": "user", "content": question}]
+
+
+def served_by(header: str) -> tuple[str, int]:
+    pod, _, rank = header.partition("/dp")
+    return pod, int(rank)
+
+
+async def test_a_rank_of_the_second_node_is_found_and_pinned_by_its_local_index(
+    cluster: Cluster,
+) -> None:
+    """Global rank 3 is the second pod's engine 1: the router reads its events on the
+    events port + 3, names it hya-1/dp3, and reaches it with the header 1."""
+    topic = "glaciers"
+    batches = cluster.batches()
+    await asyncio.to_thread(cluster.compute_at, FOLLOWER, 1, topic)
+    assert cluster.last_record(FOLLOWER, 3)["cached_tokens"] == 0
+    await eventually(lambda: cluster.batches() > batches)
+    raw = await cluster.client().chat.completions.with_raw_response.create(
+        model=AGG_MODEL, messages=messages(topic, "through the router"),  # type: ignore[arg-type]
+        max_tokens=2)
+    raw.parse()
+    assert served_by(raw.headers["x-pdgate-decode-pod"]) == (FOLLOWER.name, 3)
+    record = cluster.last_record(FOLLOWER, 3)
+    assert record["rank"] == 3 and record["cached_tokens"] > 0
+
+
+async def test_a_pd_pair_across_nodes_hands_kv_over(cluster: Cluster) -> None:
+    chat = [{"role": "user", "content": "Tell me a story about glaciers and seas. " * 12}]
+    raw = await cluster.client().chat.completions.with_raw_response.create(
+        model=PD_MODEL, messages=chat, max_tokens=8)  # type: ignore[arg-type]
+    answer = raw.parse()
+    assert answer.choices[0].message.content == expected_text(
+        chat_ids(chat), 8, kv_from_store=True, model=PD_MODEL)
+    prefill_pod, prefill_rank = served_by(raw.headers["x-pdgate-prefill-pod"])
+    decode_pod, decode_rank = served_by(raw.headers["x-pdgate-decode-pod"])
+    assert (prefill_pod, decode_pod) == (PREFILL.name, DECODE.name)
+    assert prefill_rank in (2, 3) and decode_rank in (0, 1)
+    prefilled = cluster.last_record(PREFILL, prefill_rank)
+    decoded = cluster.last_record(DECODE, decode_rank)
+    assert prefilled["kind"] == "prefill" and prefilled["rank"] == prefill_rank
+    assert decoded["kind"] == "decode" and decoded["kv_from_store"] and decoded["blocks"] > 0

@@ -43,8 +43,15 @@ class PodAddress(Protocol):
 
     @property
     def rank_pin(self) -> str | None:
-        """The `X-data-parallel-rank` that pins a request to this target's engine, when
-        its pod runs several data-parallel ranks behind one API server (else None)."""
+        """The `X-data-parallel-rank` that pins a request to this target's engine: its
+        index among its API server's engines, when that server runs several (else None)."""
+        ...
+
+    @property
+    def local_index(self) -> int | None:
+        """Its index among the data-parallel ranks its pod runs (None without data
+        parallelism): an external rank's API and bootstrap servers sit at the pod's
+        ports + this index."""
         ...
 
 

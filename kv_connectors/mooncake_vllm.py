@@ -7,7 +7,8 @@ mooncake_utils.py: `MooncakeBootstrapServer`), vLLM's reference proxy
 (examples/disaggregated/mooncake_connector/mooncake_connector_proxy.py) and
 vllm-project/router (src/routers/http/vllm_pd_router.rs, `--kv-connector mooncake`).
 
-The prefill engine's global rank 0 runs a bootstrap server (FastAPI) on
+The prefill engine's global rank 0 (with hybrid or external data-parallel load balancing:
+each API server's first rank, for its own engines) runs a bootstrap server (FastAPI) on
 `VLLM_MOONCAKE_BOOTSTRAP_PORT` (default 8998) where every prefill worker registers
 (`POST /register {engine_id, dp_rank, tp_rank, pp_rank, addr}`). Prefill pushes KV to
 decode (P-push): decode learns where the prefill workers are from that server, prefill
@@ -31,8 +32,9 @@ Exchange, field by field, as pdgate sends it:
    The rank is the one the router picked when the prefill target is one rank of a
    data-parallel pod (`pdgate.io/data-parallel-size`; an answer without it is
    `bad_bootstrap` too), named as vLLM registers it (`get_mooncake_dp_engine_index`): its
-   global rank behind one API server for every rank, its local index where each pod or
-   rank has an API server and a bootstrap server of its own (hybrid, external); else the
+   global rank behind one API server for every rank, its local index where each pod
+   (hybrid) has an API server and a bootstrap server of its own; an external rank's own
+   servers (API port and bootstrap port + its index on the pod) list it as 0. Else the
    client's `X-data-parallel-rank` if the answer has it, else a random one.
 2. Router -> prefill, `POST <call.path>`, headers `call.headers` plus
    `X-data-parallel-rank: <dp_rank>` (pins the prefill to the engine whose id
@@ -90,7 +92,14 @@ from kv_connectors._common import (
     url_host,
     vllm_prefill,
 )
-from kv_connectors.base import Handoff, KVConnector, PDCall, PrefillClient, UpstreamError
+from kv_connectors.base import (
+    Handoff,
+    KVConnector,
+    PDCall,
+    PodAddress,
+    PrefillClient,
+    UpstreamError,
+)
 
 #: vLLM's header that pins a request to one data-parallel engine.
 DP_RANK_HEADER: Final = "X-data-parallel-rank"
@@ -109,6 +118,8 @@ class MooncakeVllmConnector(KVConnector):
     async def start(self, call: PDCall, client: PrefillClient) -> Handoff:
         """Ask the bootstrap server, launch prefill, return decode's body with the rendezvous."""
         port = call_port(call.annotations, MOONCAKE_BOOTSTRAP_PORT_ANNOTATION, self.bootstrap_port)
+        if _own_server(call.prefill):  # an external rank's bootstrap server, as its API's
+            port += call.prefill.local_index or 0
         bootstrap_addr = f"http://{url_host(call.prefill.ip)}:{port}"
         answer = await _query(client, call, bootstrap_addr + "/query")
         dp_rank, engine_id = _pick_engine(answer, call)
@@ -159,10 +170,9 @@ def _pick_engine(answer: Any, call: PDCall) -> tuple[str, str]:
     if not isinstance(answer, dict) or not answer:
         raise _bad_bootstrap(call)
     picked = call.prefill.dp_rank
-    # vLLM registers a rank under its index among its API server's engines: the global
-    # rank with internal load balancing, the local one with hybrid or external (each
-    # such server runs its own bootstrap server; an external rank's engine is its 0).
-    own_index = call.prefill.rank_pin or "0"
+    # vLLM registers a rank under its index among its API server's engines (the rank pin;
+    # an external rank's server has one engine, its 0).
+    own_index = "0" if _own_server(call.prefill) else call.prefill.rank_pin
     wanted = own_index if picked is not None else _header(call.headers, DP_RANK_HEADER)
     if wanted is not None and wanted.strip() in answer:
         rank = wanted.strip()
@@ -178,6 +188,12 @@ def _pick_engine(answer: Any, call: PDCall) -> tuple[str, str]:
     if not (isinstance(engine_id, str) and engine_id and isinstance(workers, dict) and workers):
         raise _bad_bootstrap(call)
     return rank, engine_id
+
+
+def _own_server(pod: PodAddress) -> bool:
+    """A data-parallel rank with an API server (and a bootstrap server) of its own:
+    vLLM's external load balancing, where no header pins it."""
+    return pod.dp_rank is not None and pod.rank_pin is None
 
 
 def _header(headers: Mapping[str, str], name: str) -> str | None:

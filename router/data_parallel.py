@@ -19,16 +19,24 @@ ModelServer's annotations (and, across nodes, each pod's first rank from the pod
   the rank's local index; no header.
 
 Whatever the mode, rank r keeps its GLOBAL rank for the rest: its KV events come on the
-events (and replay) port + r, its `/metrics` series carry `engine="r"`, its KV-connector
-engine id ends `_dp<r>`.
+events (and replay) port + r, and its `/metrics` series carry `engine="r"`. (Its
+KV-connector engine id ends `_dp<local rank>`, and upstream vLLM's Mooncake bootstrap
+server lists it under its index among its API server's engines: the router reads both
+from the engines, it never spells them.)
+
+vLLM's internal load balancing over several nodes (`--data-parallel-size-local L` without
+hybrid) has one API server, on the head node (first rank 0), for all N ranks; the other
+nodes run `--headless`. The head pod is then N targets and the others none; the ranks of
+other nodes publish their KV events from their own pods, which the router does not
+subscribe to (their blocks go unseen).
 
 Annotations on the ModelServer: `pdgate.io/data-parallel-size` (N, default 1),
 `pdgate.io/data-parallel-lb` (`internal`, `hybrid` or `external`),
 `pdgate.io/data-parallel-size-local` (L, default N: the ranks each pod runs). A pod's
 first rank, when L < N: the pod's `pdgate.io/data-parallel-start-rank` annotation, else
 its LeaderWorkerSet `leaderworkerset.sigs.k8s.io/worker-index` label times L (the llm-d
-guide's `START_RANK`); a pod with neither is left out, with a warning (its ranks' events
-ports and metric series cannot be known).
+guide's `START_RANK`); a pod with neither is left out (its ranks' events ports and metric
+series cannot be known), warned about once by the view.
 """
 
 from __future__ import annotations
@@ -75,12 +83,15 @@ class DataParallel:
         """The ranks each pod runs."""
         return self.local or self.size
 
-    def start_rank(self, pod: Pod) -> int | None:
-        """The global rank of the pod's first engine; None when it cannot be known (the
-        pod is then left out: see the module docstring)."""
+    def pod_ranks(self, pod: Pod) -> tuple[int, range] | None:
+        """The pod's first global rank and the global ranks its API server serves: its own
+        `start..start+L-1`, or, with internal load balancing over several nodes, all N on
+        the head pod (start 0) and none on the others (vLLM runs them `--headless`).
+        None when the first rank cannot be known or is out of range: the pod is then
+        left out (`Snapshot.unranked_pod_keys`)."""
         local = self.local_size
         if local == self.size:
-            return 0
+            return 0, range(self.size)
         labels, notes = pod.meta.labels, pod.meta.annotations
         raw = notes.get(DP_START_RANK_ANNOTATION)
         scale = 1
@@ -88,14 +99,11 @@ class DataParallel:
             scale = local
         start = _int(raw)
         if start is None or start < 0 or start * scale + local > self.size:
-            log.warning(
-                "pod %s/%s: its first data-parallel rank is unknown or out of range (%s=%r, "
-                "%s=%r; %d ranks a pod of %d): left out", pod.meta.namespace, pod.meta.name,
-                DP_START_RANK_ANNOTATION, notes.get(DP_START_RANK_ANNOTATION),
-                LWS_WORKER_INDEX_LABEL, labels.get(LWS_WORKER_INDEX_LABEL), local, self.size,
-            )
             return None
-        return start * scale
+        start *= scale
+        if self.mode == "internal":
+            return start, range(self.size) if start == 0 else range(0)
+        return start, range(start, start + local)
 
     def rank_pin(self, rank: int, start: int) -> str | None:
         """The `X-data-parallel-rank` value that reaches global rank `rank` on a pod whose
@@ -138,12 +146,6 @@ def data_parallel(server: ModelServer) -> DataParallel:
     if local is None or not 1 <= local <= size:
         log.warning("ModelServer %s: %s=%r is not 1..%d; every rank on each pod assumed",
                     key, DP_SIZE_LOCAL_ANNOTATION, local_raw, size)
-        local = size
-    if local < size and mode == "internal":
-        log.warning("ModelServer %s: %s=%d with internal load balancing: only the head "
-                    "node serves requests there, and the others' ranks publish from their "
-                    "own pods; every rank on each pod assumed (use hybrid or external)",
-                    key, DP_SIZE_LOCAL_ANNOTATION, local)
         local = size
     return DataParallel(size, mode, 0 if local == size else local)
 

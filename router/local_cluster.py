@@ -83,10 +83,10 @@ def sim_pods(config_dir: Path) -> list[SimPodSpec]:
         model = server.server.model or models_by_server.get(key, key[1])
         engine = server.server.inference_engine
         ranks = server.data_parallel
-        if ranks.mode != "internal":
-            raise UnsupportedConfig(f"ModelServer {server.server.meta.key}: the simulator serves "
-                             "data-parallel ranks behind one API server only "
-                             "(pdgate.io/data-parallel-lb: internal)")
+        if ranks.mode != "internal" or ranks.local_size != ranks.size:
+            raise UnsupportedConfig(f"ModelServer {server.server.meta.key}: pdgate up starts "
+                             "a data-parallel pod as one simulator serving all its ranks "
+                             "(pdgate.io/data-parallel-lb: internal, no -size-local)")
         specs.extend(
             SimPodSpec(endpoint, model, engine, ranks.size)
             for endpoint in server.endpoints()

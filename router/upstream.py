@@ -204,8 +204,8 @@ def _rank_error(pod: PodAddress, phase: str) -> UpstreamError:
     """The pod runs fewer ranks than its ModelServer says: the router's fault, not the
     client's, so another target is tried and the rank counts as failing."""
     log.warning("engine %s has no data-parallel rank %s: its ModelServer's "
-                "pdgate.io/data-parallel-size is larger than the ranks it runs",
-                pod.base_url, pod.rank_pin)
+                "pdgate.io/data-parallel-size (or -size-local, with hybrid load balancing) "
+                "is larger than the ranks it serves", pod.base_url, pod.rank_pin)
     return UpstreamError("bad_rank", f"The engine has no data-parallel rank {pod.rank_pin}.",
                          retryable=True, pod=pod, phase=phase)
 

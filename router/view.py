@@ -55,9 +55,14 @@ class Endpoint:
     #: The engine's data-parallel rank, on a pod that runs more than one (else None): its
     #: KV events come on the events port + rank, its /metrics series carry `engine=rank`.
     dp_rank: int | None = None
-    #: The `X-data-parallel-rank` value that pins a request to this rank (vLLM's internal
-    #: load balancing: one API server for every rank); None when the address alone does.
+    #: The `X-data-parallel-rank` value that pins a request to this rank: its index among
+    #: its API server's engines (the rank itself with one API server for every rank, its
+    #: local index with hybrid load balancing); None when the address alone does (an
+    #: external rank's own API server).
     rank_pin: str | None = None
+    #: Its index among the ranks its pod runs (rank - the pod's first rank; None without
+    #: data parallelism): an external rank's API (and Mooncake bootstrap) port offset.
+    local_index: int | None = None
     #: The pod's name, with `/dp<rank>` for one rank of a data-parallel pod (the router's
     #: response headers and traces name it).
     label: str = field(init=False, repr=False, compare=False)
@@ -139,6 +144,9 @@ class Snapshot:
     ambiguous_pods: int = 0  # matched both role label sets or neither: left out
     generation: int = 0
     ambiguous_pod_keys: tuple[str, ...] = ()  # "ns/name" of the pods counted above, sorted
+    #: "ns/name" of data-parallel pods left out because their first rank is unknown or
+    #: out of range (`router.data_parallel`), sorted.
+    unranked_pod_keys: tuple[str, ...] = ()
     shadowed: tuple[ShadowedRoute, ...] = ()  # names a route claims but an older one serves
 
     def model_names(self) -> list[str]:
@@ -267,6 +275,11 @@ class ClusterView:
             pods=_typed(self._objects["Pod"].values(), Pod),
             generation=self.generation,
         )
+        newly = set(snapshot.unranked_pod_keys) - set(self.snapshot.unranked_pod_keys)
+        for key in sorted(newly):  # once a pod, not once a rebuild
+            log.warning("pod %s: its first data-parallel rank is unknown or out of range "
+                        "(annotation pdgate.io/data-parallel-start-rank, or the label "
+                        "leaderworkerset.sigs.k8s.io/worker-index); left out", key)
         self.snapshot = snapshot
         for listener in list(self._listeners):
             try:
@@ -354,34 +367,40 @@ def _has_labels(labels: dict[str, str], required: dict[str, str]) -> bool:
 def _endpoints(
     pod: Pod, server: ModelServer, dp: DataParallel, role: Role, group: str | None
 ) -> list[Endpoint] | None:
-    """The pod as targets: itself, or one a data-parallel rank it runs (global ranks
-    `start..start+local-1`; see `router.data_parallel`). None when its ranks cannot be
-    known."""
+    """The pod as targets: itself, or one a data-parallel rank its API server serves
+    (`router.data_parallel`). None when its ranks cannot be known."""
     assert pod.ip is not None
     ns, name, ip, scheme = pod.meta.namespace, pod.meta.name, pod.ip, server.protocol
     if dp.size == 1:
         return [Endpoint(ns, name, ip, server.port, role, group, scheme)]
-    start = dp.start_rank(pod)
-    if start is None:
+    ranks = dp.pod_ranks(pod)
+    if ranks is None:
         return None
+    start, served = ranks
     port = server.port
     return [
         Endpoint(ns, name, ip, port + rank - start if dp.external else port, role, group,
-                 scheme, dp_rank=rank, rank_pin=dp.rank_pin(rank, start))
-        for rank in range(start, start + dp.local_size)
+                 scheme, dp_rank=rank, rank_pin=dp.rank_pin(rank, start),
+                 local_index=rank - start)
+        for rank in served
         if not dp.external or port + rank - start < 65536
     ]
 
 
 def _server_pods(
-    server: ModelServer, pods: list[Pod], left_out: set[str]
+    server: ModelServer, pods: list[Pod], left_out: set[str], unranked: set[str]
 ) -> ServerPods:
     pd = server.pd_group
     dp = data_parallel(server)
     if pd is None:
-        return ServerPods(server=server, aggregated=tuple(
-            target for p in pods for target in _endpoints(p, server, dp, "both", None) or ()
-        ), data_parallel=dp)
+        aggregated: list[Endpoint] = []
+        for pod in pods:
+            targets = _endpoints(pod, server, dp, "both", None)
+            if targets is None:
+                unranked.add(f"{pod.meta.namespace}/{pod.meta.name}")
+            else:
+                aggregated.extend(targets)
+        return ServerPods(server=server, aggregated=tuple(aggregated), data_parallel=dp)
     groups: dict[str, tuple[list[Endpoint], list[Endpoint]]] = {}
     for pod in pods:
         labels = pod.meta.labels
@@ -393,6 +412,7 @@ def _server_pods(
             continue
         targets = _endpoints(pod, server, dp, "prefill" if is_prefill else "decode", group)
         if targets is None:
+            unranked.add(f"{pod.meta.namespace}/{pod.meta.name}")
             continue
         prefill, decode = groups.setdefault(group, ([], []))
         (prefill if is_prefill else decode).extend(targets)
@@ -423,11 +443,12 @@ def build_snapshot(
                 ns = by_namespace[pod.meta.namespace] = _NamespacePods()
             ns.add(pod)
     left_out: set[str] = set()
+    unranked: set[str] = set()
     server_pods: dict[tuple[str, str], ServerPods] = {}
     empty = _NamespacePods()
     for server in sorted(servers, key=lambda s: s.meta.key):
         selected = by_namespace.get(server.meta.namespace, empty).select(server.match_labels)
-        server_pods[server.meta.key] = _server_pods(server, selected, left_out)
+        server_pods[server.meta.key] = _server_pods(server, selected, left_out, unranked)
     routes_by_model, shadowed = _routes_by_model(routes)
     return Snapshot(
         routes_by_model=routes_by_model,
@@ -436,6 +457,7 @@ def build_snapshot(
         generation=generation,
         ambiguous_pod_keys=tuple(sorted(left_out)),
         shadowed=shadowed,
+        unranked_pod_keys=tuple(sorted(unranked)),
     )
 
 

@@ -275,6 +275,9 @@ class MetricsScraper:
         self._pages: dict[str, tuple[tuple[str, bytes | None], ...]] = {}
         self._running: dict[str, asyncio.Task[None]] = {}
         self._capacity: dict[str, int | None] = {}
+        #: Rank targets whose `engine` series their page lacked, warned about once (bounded
+        #: by the targets in the view).
+        self._unlabelled: set[str] = set()
         #: True on workers that leave scraping to worker 0 (`run` returns at once).
         self.passive = False
         self._apply_settings()
@@ -303,6 +306,7 @@ class MetricsScraper:
         self.store.retain(keys)
         for key in [k for k in self._capacity if k not in keys]:
             del self._capacity[key]
+        self._unlabelled &= keys
 
     async def run(self) -> None:
         if self.passive:
@@ -368,9 +372,11 @@ class MetricsScraper:
             return  # the pod left while we were reading
         at = self._clock()
         parsed = False
+        missing: list[tuple[str, bytes | None]] = []
         for key, engine in targets:
             load = parse_engine_metrics(body, at, engine)
             if load.running is None and load.waiting is None and load.kv_usage is None:
+                missing.append((key, engine))
                 continue
             parsed = True
             self.store.put(key, load)
@@ -379,8 +385,19 @@ class MetricsScraper:
                 self._on_capacity(key, load.capacity_tokens)
         if parsed:  # counted a page, not a target
             self._metrics.scrapes.inc()
+            self._warn_unlabelled(url, missing)
         else:
             self._metrics.scrape_errors.labels(reason="parse").inc()
+
+    def _warn_unlabelled(self, url: str, missing: list[tuple[str, bytes | None]]) -> None:
+        """A page that serves some of its ranks but not these: vLLM labels a node's series
+        with the global ranks it runs, so the pod's first rank (or its size) is declared
+        wrong. Once a target."""
+        for key, engine in missing:
+            if engine is not None and key not in self._unlabelled:
+                self._unlabelled.add(key)
+                log.warning("%s/metrics has no series with engine=\"%s\" for %s: is the "
+                            "pod's first data-parallel rank right?", url, engine.decode(), key)
 
 
 async def _read_bounded(response: aiohttp.ClientResponse) -> bytes:

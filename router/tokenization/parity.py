@@ -288,6 +288,9 @@ class ParityProber:
                 result = await self.probe(session, targets[0][1], tokenizers[at])
             if self._probes is not None:
                 self._probes.labels(result.status).inc()
+            if result.status == "mismatch" and self._mismatch_counter is not None:
+                for key in {server.meta.key for server, _ in targets}:  # once a server
+                    self._mismatch_counter.labels(*key).inc()
             for server, pod in targets:
                 self._record(server, pod, result)
 
@@ -354,8 +357,6 @@ class ParityProber:
         pods = self._snapshot.servers.get(key)
         if pods is None or pod not in pods.endpoints():
             return  # the pod left while it was probed
-        if result.status == "mismatch" and self._mismatch_counter is not None:
-            self._mismatch_counter.labels(*key).inc()
         last = self._pods.get(pod.key)
         if result.no_route and key not in self._no_route_logged:
             self._no_route_logged.add(key)

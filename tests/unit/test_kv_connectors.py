@@ -45,6 +45,7 @@ class Pod:
     port: int
     dp_rank: int | None = None
     rank_pin: str | None = None
+    local_index: int | None = None
 
     @property
     def base_url(self) -> str:
@@ -667,18 +668,20 @@ async def test_mooncake_vllm_pins_the_rank_the_router_picked() -> None:
     assert caught.value.reason == "bad_bootstrap" and lonely.posts == []
 
 
-@pytest.mark.parametrize(("rank", "pin", "index"), [(3, "1", "1"), (3, None, "0")])
+@pytest.mark.parametrize(("pin", "entry", "bootstrap_port"), [("1", "1", 8998), (None, "0", 8999)])
 async def test_mooncake_vllm_names_a_node_rank_by_its_local_index(
-    rank: int, pin: str | None, index: str
+    pin: str | None, entry: str, bootstrap_port: int
 ) -> None:
-    """Hybrid (pin = local index) and external (no pin, one engine) servers each run a
-    bootstrap server listing their own engines by local index, as vLLM registers them
-    (`get_mooncake_dp_engine_index`): global rank 3 is entry 1, or 0."""
+    """Global rank 3, its pod's second rank. Hybrid (pinned by local index 1): the pod's
+    bootstrap server lists its engines by local index, as vLLM registers them
+    (`get_mooncake_dp_engine_index`). External (no pin): the rank's own servers, API and
+    bootstrap ports + its index on the pod, list its one engine as 0."""
     client = RecordingClient(query=query_answer(0, 1))
-    call = make_call(prefill=Pod("10.0.0.1", 8000, dp_rank=rank, rank_pin=pin))
+    call = make_call(prefill=Pod("10.0.0.1", 8001, dp_rank=3, rank_pin=pin, local_index=1))
     handoff = await MooncakeVllmConnector().start(call, client)
     await finish(handoff)
-    assert handoff.decode_body["kv_transfer_params"]["remote_engine_id"] == f"eng-{index}"
+    assert client.gets[0].url == f"http://10.0.0.1:{bootstrap_port}/query"
+    assert handoff.decode_body["kv_transfer_params"]["remote_engine_id"] == f"eng-{entry}"
 
 
 async def test_mooncake_vllm_picks_a_rank_and_its_engine() -> None:

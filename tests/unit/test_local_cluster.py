@@ -39,8 +39,11 @@ def test_a_data_parallel_pod_is_one_process_with_its_ranks(tmp_path: Path) -> No
     assert {s.endpoint.dp_rank for s in specs} == {0}
 
 
-def test_ranks_on_ports_of_their_own_are_refused(tmp_path: Path) -> None:
-    external = ("  annotations:\n    pdgate.io/data-parallel-size: \"2\"\n"
-                "    pdgate.io/data-parallel-lb: external\n")
-    with pytest.raises(UnsupportedConfig, match="behind one API server"):
-        sim_pods(_config(tmp_path, external))
+@pytest.mark.parametrize("layout", [
+    "    pdgate.io/data-parallel-lb: external\n",
+    "    pdgate.io/data-parallel-lb: hybrid\n    pdgate.io/data-parallel-size-local: \"1\"\n",
+])
+def test_ranks_not_all_behind_one_api_server_are_refused(tmp_path: Path, layout: str) -> None:
+    notes = "  annotations:\n    pdgate.io/data-parallel-size: \"2\"\n" + layout
+    with pytest.raises(UnsupportedConfig, match="one simulator serving all its ranks"):
+        sim_pods(_config(tmp_path, notes))

@@ -607,9 +607,9 @@ def test_a_multi_node_rank_streams_on_the_ports_plus_its_global_rank() -> None:
         PDGroupPods("g0", ranks, (Endpoint("ns", "dec", "10.0.0.2", 8000, "decode", "g0"),)),
     ), data_parallel=dp)
     targets = stream_targets(Snapshot(servers={("default", "srv"): server}))
-    assert {key: (t.endpoint, t.replay_endpoint) for key, t in targets.items()} == {
-        "ns/w/dp2": ("tcp://10.0.0.3:5559", "tcp://10.0.0.3:5562"),
-        "ns/w/dp3": ("tcp://10.0.0.3:5560", "tcp://10.0.0.3:5563"),
+    assert {key: (t.endpoint, t.replay_endpoint, t.rank) for key, t in targets.items()} == {
+        "ns/w/dp2": ("tcp://10.0.0.3:5559", "tcp://10.0.0.3:5562", 2),
+        "ns/w/dp3": ("tcp://10.0.0.3:5560", "tcp://10.0.0.3:5563", 3),
     }
 
 

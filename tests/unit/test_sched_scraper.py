@@ -6,6 +6,7 @@ import asyncio
 import time
 
 import aiohttp
+import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
@@ -252,5 +253,42 @@ async def test_a_data_parallel_pod_is_scraped_once_for_all_its_ranks() -> None:
         zero, one = store.get("ns/p/dp0", now), store.get("ns/p/dp1", now)
         assert zero is not None and one is not None
         assert (zero.running, one.running) == (3.0, 2.0)
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_nodes_ranks_read_their_global_engine_series_and_a_missing_one_is_warned(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The second node of a hybrid deployment runs global ranks 2 and 3, so vLLM labels
+    its page `engine="2"` and `engine="3"`. A target declared rank 4 (its pod's first rank
+    misdeclared) finds no series: no load for it, and one warning however often scraped."""
+    node = VLLM.replace('engine="1"', 'engine="3"').replace('engine="0"', 'engine="2"')
+
+    async def page(request: web.Request) -> web.Response:
+        return web.Response(text=node)
+
+    app = web.Application()
+    app.router.add_get("/metrics", page)
+    runner, port = await serve(app)
+    server = ServerPods(
+        server=ModelServer(meta=ObjectMeta(name="s"), model="m", inference_engine="vLLM",
+                           match_labels={"a": "b"}, pd_group=None, port=port),
+        aggregated=tuple(Endpoint("ns", "p", "127.0.0.1", port, "both", dp_rank=rank,
+                                  rank_pin=str(rank - 2)) for rank in (2, 3, 4)),
+    )
+    store = EngineMetricsStore()
+    scraper = MetricsScraper(store, SchedulerMetrics(CollectorRegistry()))
+    scraper.on_snapshot(Snapshot(servers={("default", "s"): server}))
+    try:
+        async with aiohttp.ClientSession() as session:
+            for _ in range(3):
+                await scraper.scrape_once(session)
+        now = time.monotonic()
+        two, three = store.get("ns/p/dp2", now), store.get("ns/p/dp3", now)
+        assert two is not None and three is not None
+        assert (two.running, three.running) == (3.0, 2.0)
+        assert store.get("ns/p/dp4", now) is None
+        assert caplog.text.count('no series with engine="4" for ns/p/dp4') == 1
     finally:
         await runner.cleanup()

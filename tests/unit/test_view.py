@@ -336,7 +336,7 @@ def _lws_pod(name: str, worker: int | None = None, start: str | None = None) -> 
     annotated."""
     made = pod(name, {} if worker is None else
                {"leaderworkerset.sigs.k8s.io/worker-index": str(worker)},
-               ip=f"10.0.2.{worker or 0}")
+               ip=f"10.0.2.{10 if worker is None else worker}")
     if start is None:
         return made
     return dataclasses.replace(made, meta=dataclasses.replace(
@@ -370,30 +370,53 @@ def test_external_ranks_across_pods_take_ports_by_local_index() -> None:
                                                  "pdgate.io/data-parallel-lb": "external"})
     targets = build_snapshot([], [ms], [_lws_pod("w", 0, start="2")]).servers[
         ("default", "ms")].aggregated
-    assert [(e.key, e.port, e.dp_rank, e.rank_pin) for e in targets] == [
-        ("default/w/dp2", 8200, 2, None), ("default/w/dp3", 8201, 3, None),
+    assert [(e.key, e.port, e.dp_rank, e.rank_pin, e.local_index) for e in targets] == [
+        ("default/w/dp2", 8200, 2, None, 0), ("default/w/dp3", 8201, 3, None, 1),
     ]
 
 
 @pytest.mark.parametrize("start", [None, "x", "-1", "3"])
-def test_a_pod_whose_first_rank_is_unknown_or_too_high_is_left_out(
-    start: str | None, caplog: pytest.LogCaptureFixture,
-) -> None:
+def test_a_pod_whose_first_rank_is_unknown_or_too_high_is_left_out(start: str | None) -> None:
     ms = _with_annotations(server(), **{"pdgate.io/data-parallel-size": "4",
                                         "pdgate.io/data-parallel-size-local": "2",
                                         "pdgate.io/data-parallel-lb": "hybrid"})
     pods = [_lws_pod("known", 0), _lws_pod("unknown", None, start=start)]
-    targets = build_snapshot([], [ms], pods).servers[("default", "ms")].aggregated
-    assert [e.key for e in targets] == ["default/known/dp0", "default/known/dp1"]
-    assert "pod default/unknown: its first data-parallel rank" in caplog.text
+    snap = build_snapshot([], [ms], pods)
+    assert [e.key for e in snap.servers[("default", "ms")].aggregated] == [
+        "default/known/dp0", "default/known/dp1"]
+    assert snap.unranked_pod_keys == ("default/unknown",)
+
+
+def test_an_unranked_pod_is_warned_about_once_not_at_every_rebuild(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    view = ClusterView()
+    view.apply(_with_annotations(server(), **{"pdgate.io/data-parallel-size": "4",
+                                              "pdgate.io/data-parallel-size-local": "2",
+                                              "pdgate.io/data-parallel-lb": "hybrid"}))
+    view.apply(_lws_pod("unknown", None))
+    for name in ("a", "b", "c"):  # three more rebuilds
+        view.apply(_lws_pod(name, 0))
+    assert caplog.text.count("pod default/unknown: its first data-parallel rank") == 1
+    assert view.snapshot.unranked_pod_keys == ("default/unknown",)
+
+
+def test_internal_balancing_over_nodes_is_the_head_pods_alone() -> None:
+    """`--data-parallel-size-local 2` without hybrid: one API server, on the head node,
+    serves all 4 ranks (pinned by the rank); the other node runs headless."""
+    ms = _with_annotations(server(), **{"pdgate.io/data-parallel-size": "4",
+                                        "pdgate.io/data-parallel-size-local": "2"})
+    targets = build_snapshot([], [ms], [_lws_pod("head", 0), _lws_pod("headless", 1)]).servers[
+        ("default", "ms")].aggregated
+    assert [(e.key, e.rank_pin) for e in targets] == [
+        (f"default/head/dp{r}", str(r)) for r in range(4)]
 
 
 @pytest.mark.parametrize("notes", [
-    {"pdgate.io/data-parallel-size-local": "2"},  # internal: only the head serves
     {"pdgate.io/data-parallel-size-local": "5", "pdgate.io/data-parallel-lb": "hybrid"},
     {"pdgate.io/data-parallel-size-local": "0", "pdgate.io/data-parallel-lb": "hybrid"},
 ])
-def test_a_local_size_that_cannot_apply_means_every_rank_on_each_pod(
+def test_a_local_size_out_of_range_means_every_rank_on_each_pod(
     notes: dict[str, str],
 ) -> None:
     ms = _with_annotations(server(), **{"pdgate.io/data-parallel-size": "4", **notes})

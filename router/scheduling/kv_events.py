@@ -197,9 +197,8 @@ class PodEventStream:
             self._metrics.kv_event_errors.inc()
             if not self._rank_warned:  # every batch would say it: once a stream
                 self._rank_warned = True
-                log.warning("kv events from %s: %s (is the pod's first rank or the "
-                            "events port right?); its batches are dropped",
-                            self.target.key, exc)
+                log.warning("kv events from %s: %s (is the events port right?); its "
+                            "batches are dropped", self.target.key, exc)
         except DecodeError as exc:
             self._metrics.kv_event_errors.inc()
             log.warning("kv events from %s: undecodable batch: %s", self.target.key, exc)

@@ -400,9 +400,11 @@ def decode_batch(
     """The events of one msgpack KVEventBatch (array or map encoded; see the docstring).
     `groups`: the stream's group choice, which this batch's events may teach (None: a
     fresh one, as for a stream's first batch). `rank`: the data-parallel rank the stream
-    belongs to; a batch naming another (`data_parallel_rank`: the ports point at another
-    engine, e.g. a pod's first rank misdeclared) is refused with `RankMismatch`, so its
-    blocks are never credited to the wrong target. A batch naming none is taken."""
+    belongs to; a batch naming another (`data_parallel_rank`: the events port reaches
+    another engine, e.g. a misdeclared events port) is refused with `RankMismatch`, so its
+    blocks are never credited to the wrong target. A batch naming none is taken. (A
+    misdeclared first rank shows in the engine metrics instead: vLLM offsets a rank's
+    ports by the rank it labels its batches with.)"""
     groups = groups or GroupChoice()
     fast = _decode_typed(payload, groups, rank)
     return fast if fast is not None else _decode_generic(payload, groups, rank)

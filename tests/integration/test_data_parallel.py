@@ -17,25 +17,19 @@ leave the rank to vLLM's balancer, which knows the ranks' queues but not their c
 from __future__ import annotations
 
 import asyncio
-import json
-import time
-import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
-import openai
 import pytest
 
 from engine_sim.generation import expected_text
 from engine_sim.prompts import DEFAULT_CHAT_TEMPLATE, DEFAULT_TOKENIZER
+from tests.integration.data_parallel_cluster import DPCluster, messages, served_by
 from tests.integration.harness import (
     SimCluster,
     SimPodSpec,
     free_port,
-    get_json,
     loopback_net,
-    metric_values,
     pd_server_manifests,
     pod_manifest,
     write_yaml,
@@ -65,57 +59,10 @@ engineMetrics: {enabled: false}
 """
 
 
-@dataclass
-class Cluster:
-    sim: SimCluster
-    port: int
-
-    def client(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=f"{self.sim.router_url}/v1", api_key="x",
-                                  max_retries=0)
-
-    def metric(self, name: str) -> float:
-        return sum(value for _, value in metric_values(self.sim.router_metrics(), name))
-
-    def pod_json(self, spec: SimPodSpec, path: str) -> Any:
-        return get_json(f"http://{spec.ip}:{self.port}{path}")
-
-    def last_record(self, spec: SimPodSpec, rank: int) -> dict[str, Any]:
-        records: list[dict[str, Any]] = self.pod_json(spec, f"/sim/stats?rank={rank}")["recent"]
-        return records[-1]
-
-    def batches(self) -> float:
-        return self.metric("pdgate_kv_event_batches_total")
-
-    def compute_at(self, rank: int, topic: str) -> None:
-        """A chat sent to the aggregated pod directly, pinned to `rank` (past the router)."""
-        body = json.dumps({"model": AGG_MODEL, "messages": messages(topic, "warm"),
-                           "max_tokens": 1}).encode()
-        request = urllib.request.Request(
-            f"http://{AGG.ip}:{self.port}/v1/chat/completions", data=body,
-            headers={"Content-Type": "application/json", "X-data-parallel-rank": str(rank)})
-        with urllib.request.urlopen(request, timeout=10):
-            pass
-
-    def wait_subscribed(self) -> None:
-        """Until the router reads both ranks' streams: events published before its SUB
-        socket joined are lost (the engines keep no replay here), so each rank computes
-        fresh prompts until one of its batches reaches the router."""
-        for rank in (0, 1):
-            for attempt in range(50):
-                batches = self.batches()
-                self.compute_at(rank, f"subscribed-{rank}-{attempt}")
-                deadline = time.monotonic() + 0.2
-                while self.batches() == batches and time.monotonic() < deadline:
-                    time.sleep(0.01)
-                if self.batches() > batches:
-                    break
-            else:
-                raise AssertionError(f"rank {rank}'s KV events never reached the router")
-
-
 @pytest.fixture(scope="module")
-def cluster(mooncake_master: object, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def cluster(
+    mooncake_master: object, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[DPCluster]:
     sim = SimCluster(mooncake_master, tmp_path_factory.mktemp("data-parallel"))
     ips = [spec.ip for spec in PODS]
     port = free_port(ips)
@@ -145,20 +92,15 @@ def cluster(mooncake_master: object, tmp_path_factory: pytest.TempPathFactory) -
         scheduler = sim.workdir / "scheduler.yaml"
         scheduler.write_text(SCHEDULER)
         sim.start_router(["--scheduler-config", str(scheduler)])
-        cluster = Cluster(sim, port)
-        cluster.wait_subscribed()
+        cluster = DPCluster(sim, port, AGG_MODEL)
+        cluster.wait_subscribed([(AGG, 0), (AGG, 1)])
         yield cluster
     finally:
         sim.stop()
 
 
-def messages(topic: str, question: str) -> list[dict[str, str]]:
-    system = f"You answer questions about {topic}, at length and with care. " * 20
-    return [{"role": "system", "content": system}, {"role": "user", "content": question}]
-
-
 async def ask(
-    cluster: Cluster, topic: str, question: str, *, stores: bool = False
+    cluster: DPCluster, topic: str, question: str, *, stores: bool = False
 ) -> tuple[int, dict[str, Any]]:
     """One chat through the router: the rank that served it (the router's header) and that
     rank's record of it; when the prompt `stores` new blocks, once the rank's KV events of
@@ -167,16 +109,16 @@ async def ask(
     raw = await cluster.client().chat.completions.with_raw_response.create(
         model=AGG_MODEL, messages=messages(topic, question), max_tokens=2)  # type: ignore[arg-type]
     raw.parse()
-    pod, _, rank = raw.headers["x-pdgate-decode-pod"].partition("/dp")
+    pod, rank = served_by(raw.headers["x-pdgate-decode-pod"])
     assert pod == AGG.name
-    record = cluster.last_record(AGG, int(rank))
-    assert record["rank"] == int(rank)  # the rank the router pinned served it
+    record = cluster.last_record(AGG, rank)
+    assert record["rank"] == rank  # the rank the router pinned served it
     if stores:
         await eventually(lambda: cluster.batches() > batches)
-    return int(rank), record
+    return rank, record
 
 
-async def test_a_prompt_goes_back_to_the_rank_that_holds_it(cluster: Cluster) -> None:
+async def test_a_prompt_goes_back_to_the_rank_that_holds_it(cluster: DPCluster) -> None:
     blocks = len(chat_ids(messages("rivers", "q"))) // 16
     assert blocks >= 10
     rank, record = await ask(cluster, "rivers", "q1", stores=True)
@@ -187,30 +129,30 @@ async def test_a_prompt_goes_back_to_the_rank_that_holds_it(cluster: Cluster) ->
     assert cluster.metric("pdgate_prefix_cache_hits_total") - hits >= blocks - 1
 
 
-async def test_each_ranks_own_events_are_indexed(cluster: Cluster) -> None:
+async def test_each_ranks_own_events_are_indexed(cluster: DPCluster) -> None:
     """Rank 1 computes a prompt sent to the pod directly (pinned, past the router): the
     router learns it only from rank 1's stream (events port + 1) and sends it there."""
     for rank in (1, 0):
         topic = f"mountains-{rank}"
         batches = cluster.batches()
-        await asyncio.to_thread(cluster.compute_at, rank, topic)
+        await asyncio.to_thread(cluster.compute_at, AGG, rank, topic)
         assert cluster.last_record(AGG, rank)["cached_tokens"] == 0
         await eventually(lambda before=batches: cluster.batches() > before)
         served, record = await ask(cluster, topic, "through the router")
         assert served == rank and record["cached_tokens"] > 0
 
 
-async def test_a_pd_pair_of_ranks_hands_kv_over(cluster: Cluster) -> None:
+async def test_a_pd_pair_of_ranks_hands_kv_over(cluster: DPCluster) -> None:
     chat = [{"role": "user", "content": "Tell me a story about rivers and mountains. " * 12}]
     raw = await cluster.client().chat.completions.with_raw_response.create(
         model=PD_MODEL, messages=chat, max_tokens=8)  # type: ignore[arg-type]
     answer = raw.parse()
     assert answer.choices[0].message.content == expected_text(
         chat_ids(chat), 8, kv_from_store=True, model=PD_MODEL)
-    prefill_pod, _, prefill_rank = raw.headers["x-pdgate-prefill-pod"].partition("/dp")
-    decode_pod, _, decode_rank = raw.headers["x-pdgate-decode-pod"].partition("/dp")
+    prefill_pod, prefill_rank = served_by(raw.headers["x-pdgate-prefill-pod"])
+    decode_pod, decode_rank = served_by(raw.headers["x-pdgate-decode-pod"])
     assert (prefill_pod, decode_pod) == (PREFILL.name, DECODE.name)
-    prefilled = cluster.last_record(PREFILL, int(prefill_rank))
-    decoded = cluster.last_record(DECODE, int(decode_rank))
-    assert prefilled["kind"] == "prefill" and prefilled["rank"] == int(prefill_rank)
+    prefilled = cluster.last_record(PREFILL, prefill_rank)
+    decoded = cluster.last_record(DECODE, decode_rank)
+    assert prefilled["kind"] == "prefill" and prefilled["rank"] == prefill_rank
     assert decoded["kind"] == "decode" and decoded["kv_from_store"] and decoded["blocks"] > 0

@@ -20,25 +20,18 @@ LeaderWorkerSet worker-index label (times 2), as the guide's `START_RANK`.
 from __future__ import annotations
 
 import asyncio
-import json
-import time
-import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
 
-import openai
 import pytest
 
 from engine_sim.generation import expected_text
 from engine_sim.prompts import DEFAULT_CHAT_TEMPLATE, DEFAULT_TOKENIZER
+from tests.integration.data_parallel_cluster import DPCluster, messages, served_by
 from tests.integration.harness import (
     SimCluster,
     SimPodSpec,
     free_port,
-    get_json,
     loopback_net,
-    metric_values,
     pd_server_manifests,
     pod_manifest,
     write_yaml,
@@ -75,54 +68,10 @@ def start_rank(spec: SimPodSpec) -> int:
     return int(spec.labels[WORKER]) * 2
 
 
-@dataclass
-class Cluster:
-    sim: SimCluster
-    port: int
-
-    def client(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=f"{self.sim.router_url}/v1", api_key="x",
-                                  max_retries=0)
-
-    def batches(self) -> float:
-        return sum(v for _, v in metric_values(self.sim.router_metrics(),
-                                                "pdgate_kv_event_batches_total"))
-
-    def last_record(self, spec: SimPodSpec, rank: int) -> dict[str, Any]:
-        stats = get_json(f"http://{spec.ip}:{self.port}/sim/stats?rank={rank}")
-        records: list[dict[str, Any]] = stats["recent"]
-        return records[-1]
-
-    def compute_at(self, spec: SimPodSpec, index: int, topic: str) -> None:
-        """A chat sent to a pod directly (past the router), pinned to its local `index`."""
-        body = json.dumps({"model": AGG_MODEL, "messages": messages(topic, "warm"),
-                           "max_tokens": 1}).encode()
-        request = urllib.request.Request(
-            f"http://{spec.ip}:{self.port}/v1/chat/completions", data=body,
-            headers={"Content-Type": "application/json", "X-data-parallel-rank": str(index)})
-        with urllib.request.urlopen(request, timeout=10):
-            pass
-
-    def wait_subscribed(self) -> None:
-        """Until the router reads every aggregated rank's stream: events published before
-        its SUB socket joined are lost (no replay with several ranks a pod), so each rank
-        computes fresh prompts until one of its batches reaches the router."""
-        for spec in (LEADER, FOLLOWER):
-            for index in (0, 1):
-                for attempt in range(50):
-                    batches = self.batches()
-                    self.compute_at(spec, index, f"subscribed-{spec.name}-{index}-{attempt}")
-                    deadline = time.monotonic() + 0.2
-                    while self.batches() == batches and time.monotonic() < deadline:
-                        time.sleep(0.01)
-                    if self.batches() > batches:
-                        break
-                else:
-                    raise AssertionError(f"{spec.name} engine {index}'s events never came")
-
-
 @pytest.fixture(scope="module")
-def cluster(mooncake_master: object, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def cluster(
+    mooncake_master: object, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[DPCluster]:
     sim = SimCluster(mooncake_master, tmp_path_factory.mktemp("data-parallel-hybrid"))
     ips = [spec.ip for spec in PODS]
     port = free_port(ips)
@@ -151,25 +100,15 @@ def cluster(mooncake_master: object, tmp_path_factory: pytest.TempPathFactory) -
         scheduler = sim.workdir / "scheduler.yaml"
         scheduler.write_text(SCHEDULER)
         sim.start_router(["--scheduler-config", str(scheduler)])
-        cluster = Cluster(sim, port)
-        cluster.wait_subscribed()
+        cluster = DPCluster(sim, port, AGG_MODEL)
+        cluster.wait_subscribed([(LEADER, 0), (LEADER, 1), (FOLLOWER, 0), (FOLLOWER, 1)])
         yield cluster
     finally:
         sim.stop()
 
 
-def messages(topic: str, question: str) -> list[dict[str, str]]:
-    system = f"You answer questions about {topic}, at length and with care. " * 20
-    return [{"role": "system", "content": system}, {"role": "user", "content": question}]
-
-
-def served_by(header: str) -> tuple[str, int]:
-    pod, _, rank = header.partition("/dp")
-    return pod, int(rank)
-
-
 async def test_a_rank_of_the_second_node_is_found_and_pinned_by_its_local_index(
-    cluster: Cluster,
+    cluster: DPCluster,
 ) -> None:
     """Global rank 3 is the second pod's engine 1: the router reads its events on the
     events port + 3, names it hya-1/dp3, and reaches it with the header 1."""
@@ -187,7 +126,7 @@ async def test_a_rank_of_the_second_node_is_found_and_pinned_by_its_local_index(
     assert record["rank"] == 3 and record["cached_tokens"] > 0
 
 
-async def test_a_pd_pair_across_nodes_hands_kv_over(cluster: Cluster) -> None:
+async def test_a_pd_pair_across_nodes_hands_kv_over(cluster: DPCluster) -> None:
     chat = [{"role": "user", "content": "Tell me a story about glaciers and seas. " * 12}]
     raw = await cluster.client().chat.completions.with_raw_response.create(
         model=PD_MODEL, messages=chat, max_tokens=8)  # type: ignore[arg-type]

@@ -71,6 +71,20 @@ async def stored_batches(sub: zmq.asyncio.Socket, upto: int) -> list[Any]:
             return batches
 
 
+async def published_on_its_stream(
+    sub: zmq.asyncio.Socket, view: dict[str, Any], before: list[Any], rank: int
+) -> None:
+    """Every block the rank cached since `before` (its `/sim/cache` view) came on its own
+    stream, in batches naming that rank."""
+    new = set(view["block_hashes"]) - set(before)
+    assert new, f"rank {rank} cached nothing of the long prompt"
+    batches = await stored_batches(sub, view["kv_events"]["last_seq"])
+    assert {b.data_parallel_rank for b in batches} == {rank}
+    published = {h for b in batches for e in b.events
+                 if isinstance(e, MapBlockStored) for h in e.block_hashes}
+    assert new <= published
+
+
 async def test_two_ranks_two_caches_two_event_ports_one_metrics_page(
     sim_pod: Callable[..., SimPod],
 ) -> None:
@@ -111,14 +125,8 @@ async def test_two_ranks_two_caches_two_event_ports_one_metrics_page(
             cache = await get(http, pod, "/sim/cache")
             assert [r["data_parallel_rank"] for r in cache["ranks"]] == [0, 1]
             for rank in (0, 1):
-                view = cache["ranks"][rank]
-                new = set(view["block_hashes"]) - set(before[rank])
-                assert new, f"rank {rank} cached nothing of the long prompt"
-                batches = await stored_batches(subs[rank], view["kv_events"]["last_seq"])
-                assert {b.data_parallel_rank for b in batches} == {rank}
-                published = {h for b in batches for e in b.events
-                             if isinstance(e, MapBlockStored) for h in e.block_hashes}
-                assert new <= published
+                await published_on_its_stream(subs[rank], cache["ranks"][rank], before[rank],
+                                              rank)
 
             status, body = await post(http, pod, "short", "2")
             assert status == 400
@@ -172,14 +180,8 @@ async def test_hybrid_node_serves_its_global_ranks_by_local_index(
             async with http.get(f"{pod.base_url}/sim/stats?rank=1") as response:
                 assert response.status == 400  # rank 1 runs on another node
 
-            view = await get(http, pod, "/sim/cache?rank=3")
-            new = set(view["block_hashes"]) - set(before)
-            assert new, "rank 3 cached nothing of the long prompt"
-            batches = await stored_batches(sub, view["kv_events"]["last_seq"])
-            assert {b.data_parallel_rank for b in batches} == {3}
-            published = {h for b in batches for e in b.events
-                         if isinstance(e, MapBlockStored) for h in e.block_hashes}
-            assert new <= published
+            await published_on_its_stream(sub, await get(http, pod, "/sim/cache?rank=3"),
+                                          before, 3)
 
             status, body = await post(http, pod, "short", "2")
             assert status == 400

@@ -224,14 +224,16 @@ def test_parse_one_engine_of_a_data_parallel_page() -> None:
     assert zero.capacity_tokens == one.capacity_tokens == 2048 * 16
 
 
-async def test_a_data_parallel_pod_is_scraped_once_for_all_its_ranks() -> None:
-    hits: list[str] = []
-    scraped = asyncio.Event()
+async def _ranks_page(
+    text: str, pins: dict[int, str], hits: list[str] | None = None
+) -> tuple[web.AppRunner, EngineMetricsStore, MetricsScraper]:
+    """One pod's `/metrics` page (`text`) served on loopback, and a scraper whose view is
+    that pod as the data-parallel ranks `pins` (rank -> pin); `hits` gets each path read."""
 
     async def page(request: web.Request) -> web.Response:
-        hits.append(request.path)
-        scraped.set()
-        return web.Response(text=VLLM)
+        if hits is not None:
+            hits.append(request.path)
+        return web.Response(text=text)
 
     app = web.Application()
     app.router.add_get("/metrics", page)
@@ -240,11 +242,17 @@ async def test_a_data_parallel_pod_is_scraped_once_for_all_its_ranks() -> None:
         server=ModelServer(meta=ObjectMeta(name="s"), model="m", inference_engine="vLLM",
                            match_labels={"a": "b"}, pd_group=None, port=port),
         aggregated=tuple(Endpoint("ns", "p", "127.0.0.1", port, "both", dp_rank=rank,
-                                  rank_pin=str(rank)) for rank in (0, 1)),
+                                  rank_pin=pin) for rank, pin in pins.items()),
     )
     store = EngineMetricsStore()
     scraper = MetricsScraper(store, SchedulerMetrics(CollectorRegistry()))
     scraper.on_snapshot(Snapshot(servers={("default", "s"): server}))
+    return runner, store, scraper
+
+
+async def test_a_data_parallel_pod_is_scraped_once_for_all_its_ranks() -> None:
+    hits: list[str] = []
+    runner, store, scraper = await _ranks_page(VLLM, {0: "0", 1: "1"}, hits)
     try:
         async with aiohttp.ClientSession() as session:
             await scraper.scrape_once(session)
@@ -264,22 +272,7 @@ async def test_a_nodes_ranks_read_their_global_engine_series_and_a_missing_one_i
     its page `engine="2"` and `engine="3"`. A target declared rank 4 (its pod's first rank
     misdeclared) finds no series: no load for it, and one warning however often scraped."""
     node = VLLM.replace('engine="1"', 'engine="3"').replace('engine="0"', 'engine="2"')
-
-    async def page(request: web.Request) -> web.Response:
-        return web.Response(text=node)
-
-    app = web.Application()
-    app.router.add_get("/metrics", page)
-    runner, port = await serve(app)
-    server = ServerPods(
-        server=ModelServer(meta=ObjectMeta(name="s"), model="m", inference_engine="vLLM",
-                           match_labels={"a": "b"}, pd_group=None, port=port),
-        aggregated=tuple(Endpoint("ns", "p", "127.0.0.1", port, "both", dp_rank=rank,
-                                  rank_pin=str(rank - 2)) for rank in (2, 3, 4)),
-    )
-    store = EngineMetricsStore()
-    scraper = MetricsScraper(store, SchedulerMetrics(CollectorRegistry()))
-    scraper.on_snapshot(Snapshot(servers={("default", "s"): server}))
+    runner, store, scraper = await _ranks_page(node, {2: "0", 3: "1", 4: "2"})
     try:
         async with aiohttp.ClientSession() as session:
             for _ in range(3):

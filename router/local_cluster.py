@@ -63,13 +63,27 @@ class SimPodSpec:
     endpoint: Endpoint
     model: str
     engine: str
-    #: Engine cores the pod runs (its ModelServer's `pdgate.io/data-parallel-size`).
+    #: The deployment's data-parallel ranks (its ModelServer's `pdgate.io/data-parallel-size`).
     data_parallel_size: int = 1
+    #: On one node of a hybrid deployment over pods: the ranks it runs, from which global
+    #: rank (None: all of them, behind one API server).
+    data_parallel_size_local: int | None = None
+    data_parallel_start_rank: int = 0
+
+    def data_parallel_flags(self) -> list[str]:
+        """The simulator's flags for this pod's ranks (vLLM's names)."""
+        flags = ["--data-parallel-size", str(self.data_parallel_size)]
+        if self.data_parallel_size_local is not None:
+            flags += ["--data-parallel-size-local", str(self.data_parallel_size_local),
+                      "--data-parallel-start-rank", str(self.data_parallel_start_rank),
+                      "--data-parallel-hybrid-lb"]
+        return flags
 
 
 def sim_pods(config_dir: Path) -> list[SimPodSpec]:
     """The simulated pods a config directory describes, one per ready pod and role (a pod
-    whose ranks are targets of their own is one process with that many engine cores)."""
+    whose ranks are targets of their own is one process with that many engine cores; a
+    node of a hybrid deployment over pods runs its own ranks)."""
     view = ClusterView()
     load_directory(config_dir, view)
     specs: list[SimPodSpec] = []
@@ -83,14 +97,18 @@ def sim_pods(config_dir: Path) -> list[SimPodSpec]:
         model = server.server.model or models_by_server.get(key, key[1])
         engine = server.server.inference_engine
         ranks = server.data_parallel
-        if ranks.mode != "internal" or ranks.local_size != ranks.size:
-            raise UnsupportedConfig(f"ModelServer {server.server.meta.key}: pdgate up starts "
-                             "a data-parallel pod as one simulator serving all its ranks "
-                             "(pdgate.io/data-parallel-lb: internal, no -size-local)")
+        if ranks.external:
+            raise UnsupportedConfig(f"ModelServer {server.server.meta.key}: pdgate up runs "
+                             "a data-parallel pod's ranks behind one API server a pod "
+                             "(pdgate.io/data-parallel-lb: internal or hybrid), not one a "
+                             "rank (external)")
+        node = ranks.mode == "hybrid"
         specs.extend(
-            SimPodSpec(endpoint, model, engine, ranks.size)
+            SimPodSpec(endpoint, model, engine, ranks.size,
+                       ranks.local_size if node else None,
+                       endpoint.dp_rank or 0 if node else 0)
             for endpoint in server.endpoints()
-            if endpoint.dp_rank in (None, 0)
+            if endpoint.local_index in (None, 0)  # the pod's first target
         )
     return specs
 
@@ -271,7 +289,7 @@ class LocalCluster:
                     "--metadata-server", master.metadata_url,
                     # One PYTHONHASHSEED for all pods, as pods sharing a Mooncake Store need.
                     "--python-hash-seed", POD_HASH_SEED,
-                    "--data-parallel-size", str(spec.data_parallel_size),
+                    *spec.data_parallel_flags(),
                 ],
             ))
         for spec, pod in zip(self.pods, self._pods, strict=True):

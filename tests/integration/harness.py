@@ -21,6 +21,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import openai
 import yaml
 
 from engine_sim.block_hash import DEFAULT_HASH_SEED
@@ -198,6 +199,12 @@ class SimCluster:
     @property
     def router_url(self) -> str:
         return f"http://127.0.0.1:{self.router_port}"
+
+    def client(self) -> openai.AsyncOpenAI:
+        """The official SDK against the router, its own retries off (a test sees each
+        answer as the router gave it)."""
+        return openai.AsyncOpenAI(base_url=f"{self.router_url}/v1", api_key="x",
+                                  max_retries=0)
 
     def start_pod(
         self, spec: SimPodSpec, port: int, model: str, extra: Sequence[str] = ()

@@ -58,8 +58,7 @@ class Lora:
     port: int
 
     def client(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=f"{self.cluster.router_url}/v1", api_key="x",
-                                  max_retries=0)
+        return self.cluster.client()
 
     def precise(self, name: str) -> float:
         for head, value in metric_values(self.cluster.router_metrics(), name):

@@ -85,8 +85,7 @@ class Parity:
         return self.cluster.router.log()
 
     def client(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=f"{self.cluster.router_url}/v1", api_key="x",
-                                  max_retries=0)
+        return self.cluster.client()
 
 
 class NoTokenizeEngine:

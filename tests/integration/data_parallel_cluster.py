@@ -14,16 +14,37 @@ from __future__ import annotations
 import json
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import openai
 
-from tests.integration.harness import SimCluster, SimPodSpec, get_json, metric_values
+from engine_sim.prompts import DEFAULT_CHAT_TEMPLATE, DEFAULT_TOKENIZER
+from tests.integration.harness import (
+    SimCluster,
+    SimPodSpec,
+    free_port,
+    get_json,
+    metric_values,
+    pd_server_manifests,
+    pod_manifest,
+    write_yaml,
+)
 
 #: How long `wait_subscribed` gives one rank's batch to reach the router, per attempt.
 BATCH_WAIT_S = 0.2
+#: The router's scheduler: aggregated requests scored on the precise prefix index.
+SCHEDULER = """\
+profiles:
+  aggregated:
+    scorers:
+      - {type: precise-prefix-cache, weight: 1.0}
+      - {type: least-request, weight: 0.1}
+engineMetrics: {enabled: false}
+"""
 
 
 def messages(topic: str, question: str) -> list[dict[str, str]]:
@@ -46,8 +67,7 @@ class DPCluster:
     model: str
 
     def client(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=f"{self.sim.router_url}/v1", api_key="x",
-                                  max_retries=0)
+        return self.sim.client()
 
     def metric(self, name: str) -> float:
         return sum(value for _, value in metric_values(self.sim.router_metrics(), name))
@@ -84,3 +104,55 @@ class DPCluster:
                     break
             else:
                 raise AssertionError(f"{spec.name} rank {pin}'s KV events never came")
+
+
+@dataclass(frozen=True)
+class DPServer:
+    """One ModelServer of the test cluster: its name, model and simulated pods."""
+
+    name: str
+    model: str
+    pods: Sequence[SimPodSpec]
+
+
+@contextmanager
+def running_cluster(
+    master: object, workdir: Path, agg: DPServer, pd: DPServer, ranks: Mapping[str, str],
+    pod_flags: Callable[[SimPodSpec], list[str]], subscribe: Sequence[tuple[SimPodSpec, int]],
+) -> Iterator[DPCluster]:
+    """Simulated data-parallel pods (`pod_flags` each), an aggregated ModelServer and a PD
+    one over upstream vLLM's Mooncake flow, both annotated `ranks`, and the router over
+    them, once it reads each of `subscribe`'s (pod, pin) streams; stopped on exit."""
+    sim = SimCluster(master, workdir)
+    pods = [*agg.pods, *pd.pods]
+    ips = [spec.ip for spec in pods]
+    port = free_port(ips)
+    bootstrap = free_port(ips)
+    while bootstrap == port:
+        bootstrap = free_port(ips)
+    try:
+        for server in (agg, pd):
+            for spec in server.pods:
+                sim.start_pod(spec, port, server.model, [
+                    "--fast", *pod_flags(spec), "--bootstrap-port", str(bootstrap),
+                    "--kv-wait-timeout", "10"])
+        sim.wait_pods(port, pods)
+        notes = {**ranks, "pdgate.io/tokenizer": DEFAULT_TOKENIZER,
+                 "pdgate.io/chat-template": str(DEFAULT_CHAT_TEMPLATE)}
+        agg_objects = pd_server_manifests(agg.name, agg.model, pd=False, port=port,
+                                          connector="http", annotations=notes)
+        pd_objects = pd_server_manifests(
+            pd.name, pd.model, port=port, connector="mooncake",
+            annotations={**notes, "pdgate.io/mooncake-protocol": "vllm",
+                         "pdgate.io/mooncake-bootstrap-port": str(bootstrap)},
+        )
+        write_yaml(sim.config_dir / "objects.yaml",
+                   [*agg_objects, *pd_objects, *(pod_manifest(spec) for spec in pods)])
+        scheduler = sim.workdir / "scheduler.yaml"
+        scheduler.write_text(SCHEDULER)
+        sim.start_router(["--scheduler-config", str(scheduler)])
+        cluster = DPCluster(sim, port, agg.model)
+        cluster.wait_subscribed(subscribe)
+        yield cluster
+    finally:
+        sim.stop()

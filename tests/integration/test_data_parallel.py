@@ -23,17 +23,14 @@ from typing import Any
 import pytest
 
 from engine_sim.generation import expected_text
-from engine_sim.prompts import DEFAULT_CHAT_TEMPLATE, DEFAULT_TOKENIZER
-from tests.integration.data_parallel_cluster import DPCluster, messages, served_by
-from tests.integration.harness import (
-    SimCluster,
-    SimPodSpec,
-    free_port,
-    loopback_net,
-    pd_server_manifests,
-    pod_manifest,
-    write_yaml,
+from tests.integration.data_parallel_cluster import (
+    DPCluster,
+    DPServer,
+    messages,
+    running_cluster,
+    served_by,
 )
+from tests.integration.harness import SimPodSpec, loopback_net
 from tests.polling import eventually
 from tests.sim_tokens import chat_ids
 
@@ -49,54 +46,18 @@ DECODE = SimPodSpec("dpp-d", f"{NET}.63", "decode", "g0",
                     {"app": "dpp", "group": "g0", "role": "decode"})
 PODS = (AGG, PREFILL, DECODE)
 RANKS = {"pdgate.io/data-parallel-size": "2"}
-SCHEDULER = """\
-profiles:
-  aggregated:
-    scorers:
-      - {type: precise-prefix-cache, weight: 1.0}
-      - {type: least-request, weight: 0.1}
-engineMetrics: {enabled: false}
-"""
 
 
 @pytest.fixture(scope="module")
 def cluster(
     mooncake_master: object, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[DPCluster]:
-    sim = SimCluster(mooncake_master, tmp_path_factory.mktemp("data-parallel"))
-    ips = [spec.ip for spec in PODS]
-    port = free_port(ips)
-    bootstrap = free_port(ips)
-    while bootstrap == port:
-        bootstrap = free_port(ips)
-    try:
-        for spec, model in ((AGG, AGG_MODEL), (PREFILL, PD_MODEL), (DECODE, PD_MODEL)):
-            sim.start_pod(spec, port, model, ["--fast", "--data-parallel-size", "2",
-                                              "--bootstrap-port", str(bootstrap),
-                                              "--kv-wait-timeout", "10"])
-        sim.wait_pods(port, PODS)
-        agg = pd_server_manifests(
-            "dpa", AGG_MODEL, pd=False, port=port, connector="http",
-            annotations={**RANKS, "pdgate.io/tokenizer": DEFAULT_TOKENIZER,
-                         "pdgate.io/chat-template": str(DEFAULT_CHAT_TEMPLATE)},
-        )
-        pd = pd_server_manifests(
-            "dpp", PD_MODEL, port=port, connector="mooncake",
-            annotations={**RANKS, "pdgate.io/tokenizer": DEFAULT_TOKENIZER,
-                         "pdgate.io/chat-template": str(DEFAULT_CHAT_TEMPLATE),
-                         "pdgate.io/mooncake-protocol": "vllm",
-                         "pdgate.io/mooncake-bootstrap-port": str(bootstrap)},
-        )
-        write_yaml(sim.config_dir / "objects.yaml",
-                   [*agg, *pd, *(pod_manifest(spec) for spec in PODS)])
-        scheduler = sim.workdir / "scheduler.yaml"
-        scheduler.write_text(SCHEDULER)
-        sim.start_router(["--scheduler-config", str(scheduler)])
-        cluster = DPCluster(sim, port, AGG_MODEL)
-        cluster.wait_subscribed([(AGG, 0), (AGG, 1)])
+    with running_cluster(
+        mooncake_master, tmp_path_factory.mktemp("data-parallel"),
+        DPServer("dpa", AGG_MODEL, [AGG]), DPServer("dpp", PD_MODEL, [PREFILL, DECODE]),
+        RANKS, lambda _spec: ["--data-parallel-size", "2"], [(AGG, 0), (AGG, 1)],
+    ) as cluster:
         yield cluster
-    finally:
-        sim.stop()
 
 
 async def ask(

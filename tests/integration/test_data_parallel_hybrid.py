@@ -25,17 +25,14 @@ from collections.abc import Iterator
 import pytest
 
 from engine_sim.generation import expected_text
-from engine_sim.prompts import DEFAULT_CHAT_TEMPLATE, DEFAULT_TOKENIZER
-from tests.integration.data_parallel_cluster import DPCluster, messages, served_by
-from tests.integration.harness import (
-    SimCluster,
-    SimPodSpec,
-    free_port,
-    loopback_net,
-    pd_server_manifests,
-    pod_manifest,
-    write_yaml,
+from tests.integration.data_parallel_cluster import (
+    DPCluster,
+    DPServer,
+    messages,
+    running_cluster,
+    served_by,
 )
+from tests.integration.harness import SimPodSpec, loopback_net
 from tests.polling import eventually
 from tests.sim_tokens import chat_ids
 
@@ -54,57 +51,26 @@ DECODE = SimPodSpec("hyp-d", f"{NET}.94", "decode", "g0",
 PODS = (LEADER, FOLLOWER, PREFILL, DECODE)
 RANKS = {"pdgate.io/data-parallel-size": "4", "pdgate.io/data-parallel-size-local": "2",
          "pdgate.io/data-parallel-lb": "hybrid"}
-SCHEDULER = """\
-profiles:
-  aggregated:
-    scorers:
-      - {type: precise-prefix-cache, weight: 1.0}
-      - {type: least-request, weight: 0.1}
-engineMetrics: {enabled: false}
-"""
 
 
-def start_rank(spec: SimPodSpec) -> int:
-    return int(spec.labels[WORKER]) * 2
+def node_flags(spec: SimPodSpec) -> list[str]:
+    """vLLM's flags for the pod's node: ranks 2 x its worker index, and the next."""
+    start = int(spec.labels[WORKER]) * 2
+    return ["--data-parallel-size", "4", "--data-parallel-size-local", "2",
+            "--data-parallel-start-rank", str(start), "--data-parallel-hybrid-lb"]
 
 
 @pytest.fixture(scope="module")
 def cluster(
     mooncake_master: object, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[DPCluster]:
-    sim = SimCluster(mooncake_master, tmp_path_factory.mktemp("data-parallel-hybrid"))
-    ips = [spec.ip for spec in PODS]
-    port = free_port(ips)
-    bootstrap = free_port(ips)
-    while bootstrap == port:
-        bootstrap = free_port(ips)
-    try:
-        for spec, model in ((LEADER, AGG_MODEL), (FOLLOWER, AGG_MODEL), (PREFILL, PD_MODEL),
-                            (DECODE, PD_MODEL)):
-            sim.start_pod(spec, port, model, [
-                "--fast", "--data-parallel-size", "4", "--data-parallel-size-local", "2",
-                "--data-parallel-start-rank", str(start_rank(spec)), "--data-parallel-hybrid-lb",
-                "--bootstrap-port", str(bootstrap), "--kv-wait-timeout", "10"])
-        sim.wait_pods(port, PODS)
-        tokenizer = {"pdgate.io/tokenizer": DEFAULT_TOKENIZER,
-                     "pdgate.io/chat-template": str(DEFAULT_CHAT_TEMPLATE)}
-        agg = pd_server_manifests("hya", AGG_MODEL, pd=False, port=port, connector="http",
-                                  annotations={**RANKS, **tokenizer})
-        pd = pd_server_manifests(
-            "hyp", PD_MODEL, port=port, connector="mooncake",
-            annotations={**RANKS, **tokenizer, "pdgate.io/mooncake-protocol": "vllm",
-                         "pdgate.io/mooncake-bootstrap-port": str(bootstrap)},
-        )
-        write_yaml(sim.config_dir / "objects.yaml",
-                   [*agg, *pd, *(pod_manifest(spec) for spec in PODS)])
-        scheduler = sim.workdir / "scheduler.yaml"
-        scheduler.write_text(SCHEDULER)
-        sim.start_router(["--scheduler-config", str(scheduler)])
-        cluster = DPCluster(sim, port, AGG_MODEL)
-        cluster.wait_subscribed([(LEADER, 0), (LEADER, 1), (FOLLOWER, 0), (FOLLOWER, 1)])
+    with running_cluster(
+        mooncake_master, tmp_path_factory.mktemp("data-parallel-hybrid"),
+        DPServer("hya", AGG_MODEL, [LEADER, FOLLOWER]),
+        DPServer("hyp", PD_MODEL, [PREFILL, DECODE]), RANKS, node_flags,
+        [(LEADER, 0), (LEADER, 1), (FOLLOWER, 0), (FOLLOWER, 1)],
+    ) as cluster:
         yield cluster
-    finally:
-        sim.stop()
 
 
 async def test_a_rank_of_the_second_node_is_found_and_pinned_by_its_local_index(

@@ -276,16 +276,15 @@ class ParityProber:
         if not todo:
             return loading
         gate = asyncio.Semaphore(self._max_concurrency)
-        by_server: dict[tuple[str, int], list[tuple[ModelServer, Endpoint]]] = {}
-        tokenizers: dict[tuple[str, int], ModelTokenizer] = {}
+        # (API server, tokenizer) -> the targets it answers for, each with its server
+        by_server: dict[tuple[str, ModelTokenizer], list[tuple[ModelServer, Endpoint]]] = {}
         for server, pod, tokenizer in todo:
-            at = (pod.base_url, id(tokenizer))
-            by_server.setdefault(at, []).append((server, pod))
-            tokenizers[at] = tokenizer
+            by_server.setdefault((pod.base_url, tokenizer), []).append((server, pod))
 
-        async def one(at: tuple[str, int], targets: list[tuple[ModelServer, Endpoint]]) -> None:
+        async def one(at: tuple[str, ModelTokenizer],
+                      targets: list[tuple[ModelServer, Endpoint]]) -> None:
             async with gate:
-                result = await self.probe(session, targets[0][1], tokenizers[at])
+                result = await self.probe(session, targets[0][1], at[1])
             if self._probes is not None:
                 self._probes.labels(result.status).inc()
             if result.status == "mismatch" and self._mismatch_counter is not None:

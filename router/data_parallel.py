@@ -26,9 +26,11 @@ from the engines, it never spells them.)
 
 vLLM's internal load balancing over several nodes (`--data-parallel-size-local L` without
 hybrid) has one API server, on the head node (first rank 0), for all N ranks; the other
-nodes run `--headless`. The head pod is then N targets and the others none; the ranks of
-other nodes publish their KV events from their own pods, which the router does not
-subscribe to (their blocks go unseen).
+nodes run `--headless`. The head pod is then N targets and the others none; but a
+headless node's ranks run their engine cores, and so their KV event publishers, on their
+own pod: rank r's events come from the pod whose ranks include r, on the ports + r
+(`Endpoint.engine_ip`; the view pairs a head with its headless pods within one
+deployment: the same role, PD group and LeaderWorkerSet group).
 
 Annotations on the ModelServer: `pdgate.io/data-parallel-size` (N, default 1),
 `pdgate.io/data-parallel-lb` (`internal`, `hybrid` or `external`),
@@ -56,6 +58,8 @@ DP_SIZE_LOCAL_ANNOTATION: Final = "pdgate.io/data-parallel-size-local"
 DP_START_RANK_ANNOTATION: Final = "pdgate.io/data-parallel-start-rank"
 #: LeaderWorkerSet's label on each pod of a group: 0 for the leader, 1.. for workers.
 LWS_WORKER_INDEX_LABEL: Final = "leaderworkerset.sigs.k8s.io/worker-index"
+#: LeaderWorkerSet's label shared by every pod of one group (a leader and its workers).
+LWS_GROUP_KEY_LABEL: Final = "leaderworkerset.sigs.k8s.io/group-key"
 #: The most data-parallel ranks one ModelServer may declare (a pod is up to that many
 #: targets).
 MAX_DATA_PARALLEL_SIZE: Final = 256
@@ -82,6 +86,21 @@ class DataParallel:
     def local_size(self) -> int:
         """The ranks each pod runs."""
         return self.local or self.size
+
+    @property
+    def headless_nodes(self) -> bool:
+        """Internal load balancing over several nodes: the head pod's API server serves
+        every rank, the other pods run theirs headless."""
+        return self.mode == "internal" and self.local_size < self.size
+
+    def engine_ranks(self, pod: Pod) -> range:
+        """The global ranks whose engine cores run on `pod` (its own `start..start+L-1`,
+        served or not); empty when its first rank cannot be known."""
+        ranks = self.pod_ranks(pod)
+        if ranks is None:
+            return range(0)
+        start = ranks[0]
+        return range(start, start + self.local_size)
 
     def pod_ranks(self, pod: Pod) -> tuple[int, range] | None:
         """The pod's first global rank and the global ranks its API server serves: its own

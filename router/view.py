@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Literal, TypeVar
 
-from router.data_parallel import DataParallel, data_parallel
+from router.data_parallel import LWS_GROUP_KEY_LABEL, DataParallel, data_parallel
 from router.resources import (
     KINDS,
     ModelRoute,
@@ -63,6 +63,10 @@ class Endpoint:
     #: Its index among the ranks its pod runs (rank - the pod's first rank; None without
     #: data parallelism): an external rank's API (and Mooncake bootstrap) port offset.
     local_index: int | None = None
+    #: Where this rank's engine core runs when that is not its API server's pod (vLLM's
+    #: internal load balancing over nodes: a headless pod's rank), "" when no ready pod
+    #: is known to run it; None: on this pod. Its KV events come from there.
+    engine_ip: str | None = field(default=None, compare=False)
     #: The pod's name, with `/dp<rank>` for one rank of a data-parallel pod (the router's
     #: response headers and traces name it).
     label: str = field(init=False, repr=False, compare=False)
@@ -79,6 +83,14 @@ class Endpoint:
     def base_url(self) -> str:
         host = f"[{self.ip}]" if ":" in self.ip else self.ip
         return f"{self.scheme}://{host}:{self.port}"
+
+    @property
+    def engine_host(self) -> str | None:
+        """The address of the pod its engine core runs on (and publishes KV events from);
+        None when no ready pod is known to run it."""
+        if self.engine_ip is None:
+            return self.ip
+        return self.engine_ip or None
 
 
 @dataclass(frozen=True, slots=True)
@@ -364,11 +376,18 @@ def _has_labels(labels: dict[str, str], required: dict[str, str]) -> bool:
     return True
 
 
+#: A pod's deployment, to pair a head pod with its headless pods: (role, PD group,
+#: LeaderWorkerSet group key).
+_Deployment = tuple[Role, str | None, str | None]
+
+
 def _endpoints(
-    pod: Pod, server: ModelServer, dp: DataParallel, role: Role, group: str | None
+    pod: Pod, server: ModelServer, dp: DataParallel, role: Role, group: str | None,
+    engines: Mapping[int, str] | None = None,
 ) -> list[Endpoint] | None:
     """The pod as targets: itself, or one a data-parallel rank its API server serves
-    (`router.data_parallel`). None when its ranks cannot be known."""
+    (`router.data_parallel`). None when its ranks cannot be known. `engines`: where each
+    rank's engine core runs, with headless nodes (`_headless_engines`)."""
     assert pod.ip is not None
     ns, name, ip, scheme = pod.meta.namespace, pod.meta.name, pod.ip, server.protocol
     if dp.size == 1:
@@ -381,27 +400,45 @@ def _endpoints(
     return [
         Endpoint(ns, name, ip, port + rank - start if dp.external else port, role, group,
                  scheme, dp_rank=rank, rank_pin=dp.rank_pin(rank, start),
-                 local_index=rank - start)
+                 local_index=rank - start,
+                 engine_ip=None if engines is None else _engine_ip(engines, rank, ip))
         for rank in served
         if not dp.external or port + rank - start < 65536
     ]
 
 
-def _server_pods(
-    server: ModelServer, pods: list[Pod], left_out: set[str], unranked: set[str]
-) -> ServerPods:
+def _engine_ip(engines: Mapping[int, str], rank: int, ip: str) -> str | None:
+    found = engines.get(rank, "")
+    return None if found == ip else found
+
+
+def _headless_engines(
+    placed: list[tuple[Pod, Role, str | None]], dp: DataParallel
+) -> dict[_Deployment, dict[int, str]]:
+    """With internal load balancing over nodes: for each deployment, the pod running each
+    rank's engine core (a rank two pods claim is "": known to neither)."""
+    out: dict[_Deployment, dict[int, str]] = {}
+    for pod, role, group in placed:
+        assert pod.ip is not None
+        engines = out.setdefault(_deployment(pod, role, group), {})
+        for rank in dp.engine_ranks(pod):
+            engines[rank] = pod.ip if engines.get(rank, pod.ip) == pod.ip else ""
+    return out
+
+
+def _deployment(pod: Pod, role: Role, group: str | None) -> _Deployment:
+    return role, group, pod.meta.labels.get(LWS_GROUP_KEY_LABEL)
+
+
+def _placed(
+    server: ModelServer, pods: list[Pod], left_out: set[str]
+) -> list[tuple[Pod, Role, str | None]]:
+    """Each pod with its role and PD group (aggregated servers: "both", None); a pod of
+    a PD server with no group or not exactly one role is left out."""
     pd = server.pd_group
-    dp = data_parallel(server)
     if pd is None:
-        aggregated: list[Endpoint] = []
-        for pod in pods:
-            targets = _endpoints(pod, server, dp, "both", None)
-            if targets is None:
-                unranked.add(f"{pod.meta.namespace}/{pod.meta.name}")
-            else:
-                aggregated.extend(targets)
-        return ServerPods(server=server, aggregated=tuple(aggregated), data_parallel=dp)
-    groups: dict[str, tuple[list[Endpoint], list[Endpoint]]] = {}
+        return [(pod, "both", None) for pod in pods]
+    out: list[tuple[Pod, Role, str | None]] = []
     for pod in pods:
         labels = pod.meta.labels
         group = labels.get(pd.group_key)
@@ -410,12 +447,30 @@ def _server_pods(
         if not group or is_prefill == is_decode:
             left_out.add(f"{pod.meta.namespace}/{pod.meta.name}")
             continue
-        targets = _endpoints(pod, server, dp, "prefill" if is_prefill else "decode", group)
+        out.append((pod, "prefill" if is_prefill else "decode", group))
+    return out
+
+
+def _server_pods(
+    server: ModelServer, pods: list[Pod], left_out: set[str], unranked: set[str]
+) -> ServerPods:
+    dp = data_parallel(server)
+    placed = _placed(server, pods, left_out)
+    headless = _headless_engines(placed, dp) if dp.headless_nodes else None
+    aggregated: list[Endpoint] = []
+    groups: dict[str, tuple[list[Endpoint], list[Endpoint]]] = {}
+    for pod, role, group in placed:
+        engines = None if headless is None else headless[_deployment(pod, role, group)]
+        targets = _endpoints(pod, server, dp, role, group, engines)
         if targets is None:
             unranked.add(f"{pod.meta.namespace}/{pod.meta.name}")
-            continue
-        prefill, decode = groups.setdefault(group, ([], []))
-        (prefill if is_prefill else decode).extend(targets)
+        elif group is None:
+            aggregated.extend(targets)
+        else:
+            prefill, decode = groups.setdefault(group, ([], []))
+            (prefill if role == "prefill" else decode).extend(targets)
+    if server.pd_group is None:
+        return ServerPods(server=server, aggregated=tuple(aggregated), data_parallel=dp)
     return ServerPods(
         server=server,
         groups=tuple(

@@ -65,7 +65,10 @@ Endpoint per pod: `tcp://<pod ip>:<port>`, port 5557 unless the ModelServer's an
 (default "", every topic); `pdgate.io/kv-events: "false"` disables the subscription.
 Data-parallel rank r of a pod (`router.data_parallel`) publishes on both ports + r (its
 global rank, on whichever pod of a multi-node deployment it runs), as vLLM offsets a
-rank's endpoints, and is a stream (and an index entry) of its own; where a pod's ranks'
+rank's endpoints, and is a stream (and an index entry) of its own. Under vLLM's internal
+load balancing over nodes the head pod's API server serves a headless pod's ranks, whose
+events come from that pod's address (`Endpoint.engine_host`; a rank no ready pod is known
+to run has no stream). Where a pod's ranks'
 two runs of ports overlap (the defaults do: 5557 + 1 is 5558) the engines cannot have
 replay sockets, so none is asked.
 Only prefill and aggregated pods are subscribed (decode pods are not scored by prefix).
@@ -364,14 +367,15 @@ def stream_targets(
         space = spaces.get(scope) if spaces is not None else None
         for pod in _scored_pods(server):
             rank = pod.dp_rank or 0  # vLLM's rank r binds the configured ports + r
-            if pod.key in out or port + rank > MAX_PORT:
+            host = pod.engine_host  # a headless node's rank publishes from its own pod
+            if pod.key in out or host is None or port + rank > MAX_PORT:
                 continue
             out[pod.key] = StreamTarget(
                 key=pod.key,
-                endpoint=_tcp(pod.ip, port + rank),
+                endpoint=_tcp(host, port + rank),
                 replay_endpoint=(
                     None if replay is None or replay + rank > MAX_PORT
-                    else _tcp(pod.ip, replay + rank)
+                    else _tcp(host, replay + rank)
                 ),
                 topic=topic,
                 scope=scope,

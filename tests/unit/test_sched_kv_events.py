@@ -16,7 +16,7 @@ from engine_sim.kv_events_pub import BlockRemoved as SimRemoved
 from engine_sim.kv_events_pub import KVEventBatch as SimBatch
 from engine_sim.kv_events_pub import block_stored_event
 from router.kvhash.keyspace import KeySpace
-from router.resources import ModelServer, ObjectMeta, PDGroup
+from router.resources import ModelServer, ObjectMeta, PDGroup, Pod
 from router.scheduling.kv_events import (
     Cleared,
     DecodeError,
@@ -38,7 +38,14 @@ from router.scheduling.kv_wire import (
 )
 from router.scheduling.metrics import SchedulerMetrics
 from router.scheduling.precise_index import PrecisePrefixIndex
-from router.view import DataParallel, Endpoint, PDGroupPods, ServerPods, Snapshot
+from router.view import (
+    DataParallel,
+    Endpoint,
+    PDGroupPods,
+    ServerPods,
+    Snapshot,
+    build_snapshot,
+)
 from tests.polling import eventually
 from tests.vllm_kv_events import ArrayAllBlocksCleared as AllBlocksCleared
 from tests.vllm_kv_events import (
@@ -611,6 +618,35 @@ def test_a_multi_node_rank_streams_on_the_ports_plus_its_global_rank() -> None:
         "ns/w/dp2": ("tcp://10.0.0.3:5559", "tcp://10.0.0.3:5562", 2),
         "ns/w/dp3": ("tcp://10.0.0.3:5560", "tcp://10.0.0.3:5563", 3),
     }
+
+
+def test_a_headless_nodes_ranks_stream_from_that_node() -> None:
+    """vLLM's internal balancing over nodes (DP 4, 2 ranks a node, no hybrid): the head
+    pod's API server serves ranks 2 and 3, but their engines publish from the headless
+    pod, on its ports + 2 and + 3; without that pod ready they have no stream (the head's
+    ports + 2 and + 3 belong to no engine)."""
+    ms = ModelServer(
+        meta=ObjectMeta(name="srv", namespace="ns", annotations={
+            "pdgate.io/data-parallel-size": "4", "pdgate.io/data-parallel-size-local": "2",
+            "pdgate.io/kv-events-replay-port": "5560"}),
+        model=None, inference_engine="vLLM", match_labels={"app": "x"}, pd_group=None,
+        port=8000,
+    )
+    head = Pod(ObjectMeta(name="head", namespace="ns", labels={
+        "app": "x", "leaderworkerset.sigs.k8s.io/worker-index": "0"}), ip="10.0.0.1",
+        ready=True)
+    headless = Pod(ObjectMeta(name="w", namespace="ns", labels={
+        "app": "x", "leaderworkerset.sigs.k8s.io/worker-index": "1"}), ip="10.0.0.2",
+        ready=True)
+    targets = stream_targets(build_snapshot([], [ms], [head, headless]))
+    assert {key: (t.endpoint, t.replay_endpoint, t.rank) for key, t in targets.items()} == {
+        "ns/head/dp0": ("tcp://10.0.0.1:5557", "tcp://10.0.0.1:5560", 0),
+        "ns/head/dp1": ("tcp://10.0.0.1:5558", "tcp://10.0.0.1:5561", 1),
+        "ns/head/dp2": ("tcp://10.0.0.2:5559", "tcp://10.0.0.2:5562", 2),
+        "ns/head/dp3": ("tcp://10.0.0.2:5560", "tcp://10.0.0.2:5563", 3),
+    }
+    alone = stream_targets(build_snapshot([], [ms], [head]))
+    assert sorted(alone) == ["ns/head/dp0", "ns/head/dp1"]
 
 
 async def test_manager_subscribes_per_pod_and_drops_departed_pods() -> None:

@@ -412,6 +412,47 @@ def test_internal_balancing_over_nodes_is_the_head_pods_alone() -> None:
         (f"default/head/dp{r}", str(r)) for r in range(4)]
 
 
+def _grouped(made: Pod, key: str) -> Pod:
+    labels = {**made.meta.labels, "leaderworkerset.sigs.k8s.io/group-key": key}
+    return dataclasses.replace(made, meta=dataclasses.replace(made.meta, labels=labels))
+
+
+def test_internal_balancing_over_nodes_finds_each_ranks_engine_on_its_own_pod() -> None:
+    """Over nodes, the head's API server serves ranks 2 and 3, but their engine cores (and
+    KV event publishers) run on the headless pod of the same LeaderWorkerSet group: each
+    head target names the pod its engine runs on, and two groups do not mix."""
+    ms = _with_annotations(server(), **{"pdgate.io/data-parallel-size": "4",
+                                        "pdgate.io/data-parallel-size-local": "2"})
+    pods = [_grouped(_lws_pod("head-a", 0), "a"), _grouped(_lws_pod("headless-a", 1), "a"),
+            _grouped(dataclasses.replace(_lws_pod("head-b", 0), ip="10.0.3.0"), "b"),
+            _grouped(dataclasses.replace(_lws_pod("headless-b", 1), ip="10.0.3.1"), "b")]
+    targets = build_snapshot([], [ms], pods).servers[("default", "ms")].aggregated
+    assert [(e.key, e.ip, e.engine_host) for e in targets] == [
+        ("default/head-a/dp0", "10.0.2.0", "10.0.2.0"),
+        ("default/head-a/dp1", "10.0.2.0", "10.0.2.0"),
+        ("default/head-a/dp2", "10.0.2.0", "10.0.2.1"),
+        ("default/head-a/dp3", "10.0.2.0", "10.0.2.1"),
+        ("default/head-b/dp0", "10.0.3.0", "10.0.3.0"),
+        ("default/head-b/dp1", "10.0.3.0", "10.0.3.0"),
+        ("default/head-b/dp2", "10.0.3.0", "10.0.3.1"),
+        ("default/head-b/dp3", "10.0.3.0", "10.0.3.1"),
+    ]
+
+
+def test_a_headless_rank_no_single_ready_pod_runs_has_no_engine_host() -> None:
+    """The headless pod not ready: the head still serves ranks 2 and 3 (vLLM's API server
+    answers for them), but where their engines run is unknown; two pods claiming the same
+    ranks (no group key to tell their deployments apart) are not guessed between."""
+    ms = _with_annotations(server(), **{"pdgate.io/data-parallel-size": "4",
+                                        "pdgate.io/data-parallel-size-local": "2"})
+    alone = build_snapshot([], [ms], [_lws_pod("head", 0)]).servers[("default", "ms")]
+    assert [e.engine_host for e in alone.aggregated] == ["10.0.2.0", "10.0.2.0", None, None]
+    twins = [_lws_pod("head", 0), _lws_pod("w1", 1),
+             dataclasses.replace(_lws_pod("w2", 1), ip="10.0.2.9")]
+    both = build_snapshot([], [ms], twins).servers[("default", "ms")]
+    assert [e.engine_host for e in both.aggregated] == ["10.0.2.0", "10.0.2.0", None, None]
+
+
 @pytest.mark.parametrize("notes", [
     {"pdgate.io/data-parallel-size-local": "5", "pdgate.io/data-parallel-lb": "hybrid"},
     {"pdgate.io/data-parallel-size-local": "0", "pdgate.io/data-parallel-lb": "hybrid"},

@@ -13,7 +13,9 @@ with `model=""`, which Prometheus treats as no model label, so per-model panels 
 out and the dashboard shows it apart. When a model leaves every route, its series go with
 it (`retain_models`): a cluster whose routes or LoRA adapters come and go keeps only the
 series of what it serves, and a model that comes back starts its counters again (a
-reset `rate()` handles). An engine's 4xx refusal of the client's own input
+reset `rate()` handles). A request still running when its model left ends under
+`model=""` (with its phase and status as ever): counted, not a series of a model no
+route serves brought back until the next snapshot. An engine's 4xx refusal of the client's own input
 (other than 408/429) is a client error (`pdgate_client_errors_total`), not an upstream one.
 """
 
@@ -109,8 +111,16 @@ class RouterMetrics:
             "pdgate_ready", "1 when the router is ready to serve.", registry=registry
         )
         self._children: dict[tuple[str, ...], object] = {}
+        #: The models the last snapshot serves (None before the first: any name is).
+        self._served: Collection[str] | None = None
+
+    def _label(self, model: str) -> str:
+        """`model`, or "" once no route serves it (see the module docstring)."""
+        served = self._served
+        return model if served is None or model in served else ""
 
     def request_done(self, model: str, status: int, seconds: float) -> None:
+        model = self._label(model)
         key = ("r", model, str(status))
         counter = self._children.get(key)
         if counter is None:
@@ -120,21 +130,23 @@ class RouterMetrics:
 
     def first_token(self, model: str, seconds: float, laps: list[tuple[str, float]]) -> None:
         """A stream's TTFT and its phases (laps of one clock: they add up to it)."""
-        self.ttft.labels(model).observe(seconds)
+        self.ttft.labels(self._label(model)).observe(seconds)
         for phase, lap in laps:
             self.ttft_phase.labels(phase).observe(lap)
 
     def inter_token(self, model: str) -> BucketCounts:
-        """The ITL child of `model`, fetched once per stream."""
-        return self.itl.labels(model)
+        """The ITL child of `model`, fetched once per stream (a child its model's removal
+        drops takes the rest of that stream's observations out of sight)."""
+        return self.itl.labels(self._label(model))
 
     def output_rate(self, model: str, tokens_per_second: float) -> None:
-        self.tokens_per_second.labels(model).observe(tokens_per_second)
+        self.tokens_per_second.labels(self._label(model)).observe(tokens_per_second)
 
     def phase_done(self, phase: str, seconds: float) -> None:
         self.phase.labels(phase).observe(seconds)
 
     def retry(self, model: str, phase: str) -> None:
+        model = self._label(model)
         key = ("t", model, phase)
         counter = self._children.get(key)
         if counter is None:
@@ -143,7 +155,9 @@ class RouterMetrics:
 
     def retain_models(self, served: Collection[str]) -> None:
         """Drop every per-model series of a model no route serves any more (`model=""`,
-        requests for no known model, stays). Called with each new view snapshot."""
+        requests for no known model, stays). Called with each new view snapshot; until the
+        next, a model `served` lacks is counted as `model=""`."""
+        self._served = served
         stale = [key for key in self._children if key[1] and key[1] not in served]
         for key in stale:
             del self._children[key]

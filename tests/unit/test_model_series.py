@@ -72,6 +72,21 @@ def test_a_model_no_route_serves_any_more_loses_its_series() -> None:
         "pdgate_retries_total", {"model": "qwen", "phase": "prefill"}) == 1
 
 
+def test_a_request_ending_after_its_model_left_is_counted_without_its_series() -> None:
+    """A stream still running when its route is deleted ends after the snapshot that
+    dropped the model's series: it is counted under `model=""`, not as a series of a model
+    no route serves (which would stay until some later snapshot)."""
+    state = AppState(RouterConfig())
+    state.view.apply(route("base", "llama"))
+    state.view.apply(route("other", "qwen"))
+    serve(state, "qwen")
+    state.view.delete("ModelRoute", "default", "other")  # the request below was running
+    serve(state, "qwen")
+    assert all(models == {""} for models in models_with_series(state.registry).values())
+    assert state.registry.get_sample_value(
+        "pdgate_requests_total", {"model": "", "status": "200"}) == 1
+
+
 def test_a_deleted_model_server_loses_its_transition_counts() -> None:
     view, registry = ClusterView(), CollectorRegistry()
     ConfigWatch(view, registry, lambda: True)

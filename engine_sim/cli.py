@@ -402,6 +402,17 @@ def _rank_ports(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
                      f"{events}..{events + local - 1} of {local} ranks{bound}")
 
 
+def _env_port(parser: argparse.ArgumentParser, name: str, default: int) -> int:
+    """A port from the environment, as vLLM's envs read it (an int, else refused)."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        parser.error(f"{name}={raw!r} is not a port")
+
+
 def _parse(argv: Sequence[str] | None) -> tuple[SimConfig, argparse.Namespace]:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -467,6 +478,8 @@ def _parse(argv: Sequence[str] | None) -> tuple[SimConfig, argparse.Namespace]:
         hash_algo=args.prefix_caching_hash_algo,
         python_hash_seed=args.python_hash_seed,
         block_ids_per_group=args.block_ids_per_group,
+        nixl_side_channel_host=os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "localhost"),
+        nixl_side_channel_port=_env_port(parser, "VLLM_NIXL_SIDE_CHANNEL_PORT", 5600),
         max_num_seqs=args.max_num_seqs,
         data_parallel_size=args.data_parallel_size,
         data_parallel_size_local=args.data_parallel_size_local,

@@ -41,6 +41,11 @@ class SimConfig:
     hash_algo: HashAlgo = DEFAULT_HASH_ALGO
     python_hash_seed: str | None = None
     block_ids_per_group: bool = False
+    # vLLM's NixlConnector side channel (VLLM_NIXL_SIDE_CHANNEL_HOST / _PORT): the handle's
+    # remote_host, and remote_port + the data-parallel rank. Named, not listened on: the
+    # simulator's KV moves through the Mooncake Store.
+    nixl_side_channel_host: str = "localhost"
+    nixl_side_channel_port: int = 5600
     # Upstream vLLM MooncakeConnector (engine_sim.bootstrap). None: 8998, best effort.
     bootstrap_port: int | None = None
     bootstrap_fault: str = "none"

@@ -291,12 +291,11 @@ class Engine:
                 else:
                     block_ids = list(lease.block_ids)
                     block_ids += [_NULL_BLOCK_ID] * (len(hashes) - len(block_ids))
-                    host, port = self.address
                     handle = build_prefill_handle(
                         engine_id=self.engine_id,
                         request_id=internal_id,
-                        host=host,
-                        port=port,
+                        host=config.nixl_side_channel_host,
+                        port=config.nixl_side_channel_port + self.rank,
                         block_ids=block_ids,
                         num_tokens=num_tokens,
                         store_keys=exported.keys,

@@ -5,7 +5,10 @@ the handle below; the router forwards it unchanged to decode, which reads the KV
 
     do_remote_prefill  true              do_remote_decode  false
     remote_engine_id   prefill's id      remote_request_id prefill's internal request id
-    remote_host        prefill's host    remote_port       prefill's HTTP port
+    remote_host        prefill's NIXL side-channel host (VLLM_NIXL_SIDE_CHANNEL_HOST,
+                       default "localhost")
+    remote_port        its side-channel port (VLLM_NIXL_SIDE_CHANNEL_PORT, default 5600)
+                       + the engine's data-parallel rank, as vLLM's NixlConnector
     remote_block_ids   prefill's block ids of the transferred blocks (ints; nested one
                        list per KV group with --block-ids-per-group, as newer vLLM does)
     remote_num_tokens  prompt tokens prefill computed

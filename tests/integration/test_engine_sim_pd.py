@@ -78,7 +78,8 @@ async def test_decode_uses_prefill_kv_from_the_store(pods: tuple[SimPod, SimPod]
     params = await prefill_chat(prefill, msgs)
     assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
     assert params["remote_engine_id"] == prefill.engine_id
-    assert params["remote_host"] == "127.0.0.1" and params["remote_port"] == prefill.port
+    # vLLM's NIXL side channel (VLLM_NIXL_SIDE_CHANNEL_HOST / _PORT unset), not HTTP's.
+    assert params["remote_host"] == "localhost" and params["remote_port"] == 5600
     assert params["remote_request_id"].startswith("chatcmpl-pd-1-")
     assert params["remote_num_tokens"] == len(prompt) and params["tp_size"] == 1
     assert len(params["remote_block_ids"]) == len(hashes)

@@ -166,6 +166,24 @@ def test_cli_flags() -> None:
             parse_config([*base, *bad])
 
 
+def test_the_nixl_side_channel_is_read_from_vllms_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    base = ["--role", "prefill", "--port", "0", "--model", MODEL, "--mooncake-master", "h:1",
+            "--metadata-server", "http://h:2/metadata"]  # fmt: skip
+    monkeypatch.delenv("VLLM_NIXL_SIDE_CHANNEL_HOST", raising=False)
+    monkeypatch.delenv("VLLM_NIXL_SIDE_CHANNEL_PORT", raising=False)
+    config = parse_config(base)
+    assert (config.nixl_side_channel_host, config.nixl_side_channel_port) == ("localhost", 5600)
+    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_HOST", "10.1.2.3")
+    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", "6000")
+    config = parse_config(base)
+    assert (config.nixl_side_channel_host, config.nixl_side_channel_port) == ("10.1.2.3", 6000)
+    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", "x")
+    with pytest.raises(SystemExit):
+        parse_config(base)
+
+
 def test_params_of_both_protocols() -> None:
     prefill = parse_kv_transfer_params(
         {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": "xfer-1"}

@@ -293,6 +293,8 @@ async def test_prefill_at_one_rank_hands_its_ids_and_decode_at_another_loads_it(
         _, handle, _ = await complete(prefill.engines[1], max_tokens=1,
                                    params={"do_remote_decode": True, "do_remote_prefill": False})
         assert handle["remote_engine_id"] == "p_dp1"
+        # vLLM's NixlConnector: the side-channel port + the rank (VLLM_NIXL_SIDE_CHANNEL_*).
+        assert (handle["remote_host"], handle["remote_port"]) == ("localhost", 5601)
         ids = prefill.engines[1].tokenizer.request_ids("completion", {"prompt": PROMPT})[0]
         assert len(handle["mooncake_store_keys"]) == len(hash_prompt_blocks(ids, 16))
         _, _, text = await complete(decode.engines[0], params=handle, max_tokens=4)

@@ -64,6 +64,13 @@ class ParsedRequest:
     body: Mapping[str, Any] = field(repr=False)
     #: The adapter the request names (name, number), as vLLM's `LoRARequest`.
     lora: tuple[str, int] | None = None
+    #: `echo`: the text the answer starts with (a completion's prompt; a chat's last
+    #: message when it has the answer's role), None without echo.
+    echo_text: str | None = None
+    #: A completion with `echo` and `max_tokens: 0` (vLLM's `echo_without_generation`):
+    #: the engine still generates one token (`max_tokens` is 1), the answer shows the
+    #: prompt alone.
+    echo_only: bool = False
 
     @property
     def lora_name(self) -> str | None:
@@ -128,9 +135,13 @@ def parse_request(
             max_tokens = _optional_int(body, "max_tokens", 1)
     else:
         token_ids = _prompt_tokens(body, endpoint, tokenizer)
-        max_tokens = _optional_int(body, "max_tokens", 1)
+        max_tokens = _optional_int(body, "max_tokens", 0 if body.get("echo") is True else 1)
     if not token_ids:
         raise RequestError("the prompt is empty", param="prompt")
+    echo_text = _echo_text(body, endpoint, token_ids, tokenizer)
+    echo_only = echo_text is not None and max_tokens == 0
+    if echo_only:
+        max_tokens = 1  # vLLM's to_sampling_params: one token generated, none shown
     if max_tokens is None:
         max_tokens = limits.default_max_tokens
     min_tokens = _optional_int(body, "min_tokens", 0) or 0
@@ -167,4 +178,34 @@ def parse_request(
         kv_transfer_params=body.get("kv_transfer_params"),
         body=body,
         lora=limits.lora(model),
+        echo_text=echo_text,
+        echo_only=echo_only,
     )
+
+
+def _echo_text(
+    body: Mapping[str, Any], endpoint: Endpoint, token_ids: tuple[int, ...],
+    tokenizer: PromptTokenizer,
+) -> str | None:
+    """What `echo: true` puts before the answer, as vLLM's serving code: a completion's
+    prompt (its text, or its token ids decoded); for a chat, the last message's content
+    when its role is the answer's ("assistant", or the last message's own role with
+    `add_generation_prompt: false`), text parts joined by newlines."""
+    if body.get("echo") is not True:
+        return None
+    if endpoint == "completion":
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        return prompt if isinstance(prompt, str) else tokenizer.decode(token_ids)
+    last = body["messages"][-1]
+    if not isinstance(last, dict):
+        return None
+    role = "assistant" if body.get("add_generation_prompt", True) else last.get("role")
+    content = last.get("content")
+    if last.get("role") != role or not content:
+        return None
+    if isinstance(content, list):
+        return "\n".join(part.get("text", "") for part in content
+                         if isinstance(part, dict) and part.get("type") == "text")
+    return content if isinstance(content, str) else None

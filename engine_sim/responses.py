@@ -102,6 +102,25 @@ def text_completion(
     }
 
 
+def answer_text(request: ParsedRequest, pieces: list[str]) -> str:
+    """A non-streaming answer's text: with `echo`, the echoed text first (alone for a
+    completion's `max_tokens: 0`), as vLLM's serving code builds it."""
+    echo = request.echo_text or ""
+    return echo if request.echo_only else echo + "".join(pieces)
+
+
+def stream_pieces(request: ParsedRequest, pieces: list[str]) -> list[str]:
+    """A stream's content pieces, one a chunk: a completion's `echo` rides on the first
+    (which carries the prompt alone for `max_tokens: 0`); a chat's echo has a chunk of its
+    own after the role chunk (`ChunkWriter.start`)."""
+    echo = request.echo_text
+    if echo is None or request.endpoint == "chat":
+        return pieces
+    if request.echo_only:
+        return [echo]
+    return [echo + pieces[0], *pieces[1:]]
+
+
 class ChunkWriter:
     """Builds one stream's SSE chunks: a role chunk first (chat), one chunk per token, the
     finish reason on the last token, an optional usage chunk, then `[DONE]`."""
@@ -118,15 +137,16 @@ class ChunkWriter:
         self._prefix = b"data: " + orjson.dumps(self._head)[:-1] + b',"choices":['
         self._include_usage = request.include_usage
         self._prompt_tokens = len(request.token_ids)
+        self._chat_echo = request.echo_text if self._chat else None
 
     def _chunk(self, choice: dict[str, Any]) -> bytes:
         return self._prefix + orjson.dumps(choice) + b"]}\n\n"
 
     def start(self) -> bytes:
-        """The role chunk (chat only)."""
+        """The role chunk (chat only), then the echoed last message's (chat with `echo`)."""
         if not self._chat:
             return b""
-        return self._chunk(
+        head = self._chunk(
             {
                 "index": 0,
                 "delta": {"role": "assistant", "content": ""},
@@ -134,6 +154,11 @@ class ChunkWriter:
                 "finish_reason": None,
             }
         )
+        if not self._chat_echo:
+            return head
+        echo = {"index": 0, "delta": {"content": self._chat_echo}, "logprobs": None,
+                "finish_reason": None}
+        return head + self._chunk(echo)
 
     def token(self, piece: str, last: bool) -> bytes:
         finish = FINISH_REASON if last else None

@@ -38,7 +38,15 @@ from engine_sim.protocol import (
     parse_request,
 )
 from engine_sim.render import generate_request
-from engine_sim.responses import ChunkWriter, chat_completion, error_body, text_completion, usage
+from engine_sim.responses import (
+    ChunkWriter,
+    answer_text,
+    chat_completion,
+    error_body,
+    stream_pieces,
+    text_completion,
+    usage,
+)
 from engine_sim.scheduler import QueueFullError
 from engine_sim.surface import (
     ResponseWriter,
@@ -240,7 +248,7 @@ class SimServer:
             response_id,
             int(time.time()),
             parsed.model,
-            "".join(generation.pieces),
+            answer_text(parsed, generation.pieces),
             usage(generation.prompt_tokens, len(generation.pieces)),
             kv_transfer_params,
         )
@@ -259,7 +267,8 @@ class SimServer:
         response = web.StreamResponse(headers={**_SSE_HEADERS, REQUEST_ID_HEADER: request_id})
         await response.prepare(request)
         writer = ChunkWriter(parsed, response_id, int(time.time()))
-        pieces = generation.pieces
+        pieces = stream_pieces(parsed, generation.pieces)
+        generated = len(generation.pieces)  # the usage counts what the engine generated
         last = len(pieces) - 1
         try:
             if fault is not None and fault.drop_after_chunks is not None:
@@ -274,14 +283,14 @@ class SimServer:
             if not engine.paces_tokens:
                 out = [writer.start()]
                 out.extend(writer.token(piece, i == last) for i, piece in enumerate(pieces))
-                out.append(writer.end(len(pieces)))
+                out.append(writer.end(generated))
                 await response.write(b"".join(out))
             else:
                 await response.write(writer.start() + writer.token(pieces[0], last == 0))
                 for i in range(1, len(pieces)):
                     await engine.token_gap()
                     await response.write(writer.token(pieces[i], i == last))
-                await response.write(writer.end(len(pieces)))
+                await response.write(writer.end(generated))
             await response.write_eof()
         except ConnectionResetError:
             log.info("request %s: client went away mid-stream", request_id)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import openai
@@ -132,6 +133,36 @@ async def test_completions_streaming_and_not(client: openai.AsyncOpenAI) -> None
     )
     text = "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
     assert text == expected
+
+
+async def test_echo_through_the_pd_path(client: openai.AsyncOpenAI) -> None:
+    """`echo` reaches decode and comes back as vLLM answers it: a completion's prompt
+    before its text, the prompt alone with `max_tokens: 0` (the one request that generates
+    nothing; vLLM still computes one token, counted in the usage), a chat's last assistant
+    message before the rest, streamed or not."""
+    generated = expected_text(prompt_ids(LONG_PROMPT), 8, kv_from_store=True, model=MODEL)
+    completion = await client.completions.create(
+        model=MODEL, prompt=LONG_PROMPT, max_tokens=8, echo=True)
+    assert completion.choices[0].text == LONG_PROMPT + generated
+    stream = await client.completions.create(
+        model=MODEL, prompt=LONG_PROMPT, max_tokens=8, echo=True, stream=True)
+    text = "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
+    assert text == LONG_PROMPT + generated
+
+    only = await client.completions.create(
+        model=MODEL, prompt=LONG_PROMPT, max_tokens=0, echo=True)
+    assert only.choices[0].text == LONG_PROMPT
+    assert only.usage is not None and only.usage.completion_tokens == 1
+
+    messages: list[Any] = [*QUESTION, {"role": "assistant", "content": "It is in"}]
+    answer = expected_text(chat_ids(messages), 4, kv_from_store=True, model=MODEL)
+    chat = await client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=4, extra_body={"echo": True})
+    assert chat.choices[0].message.content == "It is in" + answer
+    chunks = await client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=4, stream=True, extra_body={"echo": True})
+    content = "".join([c.choices[0].delta.content or "" async for c in chunks if c.choices])
+    assert content == "It is in" + answer
 
 
 async def test_busy_poll_answers_the_same_and_idles_quietly(

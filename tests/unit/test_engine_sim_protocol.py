@@ -55,6 +55,32 @@ def test_completion_errors(body: dict[str, Any], status: int, param: str) -> Non
     assert err.value.status == status and err.value.param == param
 
 
+def test_echo_is_read_as_vllm_serves_it() -> None:
+    """A completion echoes its prompt (its token ids decoded when it is ids), and with
+    `max_tokens: 0` only that (the engine still generates one token, vLLM's
+    `echo_without_generation`); a chat echoes its last message only when that message has
+    the answer's role; no echo without `echo: true`."""
+    parsed = parse_request({"prompt": "hi there", "echo": True, "max_tokens": 0},
+                           "completion", TOKENIZER, LIMITS)
+    assert (parsed.echo_text, parsed.echo_only, parsed.max_tokens) == ("hi there", True, 1)
+    parsed = parse_request({"prompt": prompt_ids("hi there"), "echo": True, "max_tokens": 2},
+                           "completion", TOKENIZER, LIMITS)
+    assert parsed.echo_text == TOKENIZER.decode(prompt_ids("hi there"))
+    assert (parsed.echo_only, parsed.max_tokens) == (False, 2)
+    assert parse_request({"prompt": "hi", "max_tokens": 2}, "completion", TOKENIZER,
+                         LIMITS).echo_text is None
+
+    prefix = [*MESSAGES, {"role": "assistant", "content": "It is"}]
+    parsed = parse_request({"messages": prefix, "echo": True}, "chat", TOKENIZER, LIMITS)
+    assert parsed.echo_text == "It is" and not parsed.echo_only
+    assert parse_request({"messages": MESSAGES, "echo": True}, "chat", TOKENIZER,
+                         LIMITS).echo_text is None  # the last message is the user's
+    with pytest.raises(RequestError) as err:  # a chat generates at least one token
+        parse_request({"messages": prefix, "echo": True, "max_tokens": 0}, "chat",
+                      TOKENIZER, LIMITS)
+    assert err.value.param == "max_tokens"
+
+
 def test_render_generate_request_shape() -> None:
     parsed = parse_request(
         {"model": "m", "messages": MESSAGES, "max_tokens": 20, "stop": "x"}, "chat", TOKENIZER,

@@ -401,22 +401,19 @@ def _endpoints(
         Endpoint(ns, name, ip, port + rank - start if dp.external else port, role, group,
                  scheme, dp_rank=rank, rank_pin=dp.rank_pin(rank, start),
                  local_index=rank - start,
-                 engine_ip=None if engines is None else _engine_ip(engines, rank, ip))
+                 engine_ip=None if engines is None or rank - start < dp.local_size
+                 else engines.get(rank, ""))
         for rank in served
         if not dp.external or port + rank - start < 65536
     ]
-
-
-def _engine_ip(engines: Mapping[int, str], rank: int, ip: str) -> str | None:
-    found = engines.get(rank, "")
-    return None if found == ip else found
 
 
 def _headless_engines(
     placed: list[tuple[Pod, Role, str | None]], dp: DataParallel
 ) -> dict[_Deployment, dict[int, str]]:
     """With internal load balancing over nodes: for each deployment, the pod running each
-    rank's engine core (a rank two pods claim is "": known to neither)."""
+    rank's engine core (a rank two pods claim is "": known to neither). A pod's own ranks
+    run on it whatever this says (`_endpoints`)."""
     out: dict[_Deployment, dict[int, str]] = {}
     for pod, role, group in placed:
         assert pod.ip is not None

@@ -451,6 +451,11 @@ def test_a_headless_rank_no_single_ready_pod_runs_has_no_engine_host() -> None:
              dataclasses.replace(_lws_pod("w2", 1), ip="10.0.2.9")]
     both = build_snapshot([], [ms], twins).servers[("default", "ms")]
     assert [e.engine_host for e in both.aggregated] == ["10.0.2.0", "10.0.2.0", None, None]
+    # Two heads: each one's own ranks still run on it.
+    heads = [_lws_pod("head", 0), dataclasses.replace(_lws_pod("head2", 0), ip="10.0.2.8")]
+    hosts = build_snapshot([], [ms], heads).servers[("default", "ms")]
+    assert [e.engine_host for e in hosts.aggregated] == [
+        "10.0.2.0", "10.0.2.0", None, None, "10.0.2.8", "10.0.2.8", None, None]
 
 
 @pytest.mark.parametrize("notes", [

@@ -15,8 +15,9 @@ it (`retain_models`): a cluster whose routes or LoRA adapters come and go keeps 
 series of what it serves, and a model that comes back starts its counters again (a
 reset `rate()` handles). A request still running when its model left ends under
 `model=""` (with its phase and status as ever): counted, not a series of a model no
-route serves brought back until the next snapshot. An engine's 4xx refusal of the client's own input
-(other than 408/429) is a client error (`pdgate_client_errors_total`), not an upstream one.
+route serves brought back until the next snapshot. An engine's 4xx refusal of the
+client's own input (other than 408/429) is a client error (`pdgate_client_errors_total`),
+not an upstream one.
 """
 
 from __future__ import annotations

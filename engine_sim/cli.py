@@ -402,15 +402,15 @@ def _rank_ports(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
                      f"{events}..{events + local - 1} of {local} ranks{bound}")
 
 
-def _env_port(parser: argparse.ArgumentParser, name: str, default: int) -> int:
-    """A port from the environment, as vLLM's envs read it (an int, else refused)."""
+def _env_int(parser: argparse.ArgumentParser, name: str, default: int) -> int:
+    """An integer from the environment, as vLLM's envs read it (`int()`, else refused)."""
     raw = os.environ.get(name)
     if raw is None:
         return default
     try:
         return int(raw)
     except ValueError:
-        parser.error(f"{name}={raw!r} is not a port")
+        parser.error(f"{name}={raw!r} is not an integer")
 
 
 def _parse(argv: Sequence[str] | None) -> tuple[SimConfig, argparse.Namespace]:
@@ -479,7 +479,11 @@ def _parse(argv: Sequence[str] | None) -> tuple[SimConfig, argparse.Namespace]:
         python_hash_seed=args.python_hash_seed,
         block_ids_per_group=args.block_ids_per_group,
         nixl_side_channel_host=os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "localhost"),
-        nixl_side_channel_port=_env_port(parser, "VLLM_NIXL_SIDE_CHANNEL_PORT", 5600),
+        # vLLM reads it where a NixlConnector is built; here, where a handle is made.
+        nixl_side_channel_port=(
+            _env_int(parser, "VLLM_NIXL_SIDE_CHANNEL_PORT", 5600) if args.role == "prefill"
+            else 5600
+        ),
         max_num_seqs=args.max_num_seqs,
         data_parallel_size=args.data_parallel_size,
         data_parallel_size_local=args.data_parallel_size_local,

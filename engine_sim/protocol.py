@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from engine_sim.prompts import PromptTokenizer
 from router.tokenization import ChatInputError, UnsupportedContent
+from router.tokenization.messages import conversation
 
 Endpoint = Literal["chat", "completion"]
 
@@ -67,6 +68,9 @@ class ParsedRequest:
     #: `echo`: the text the answer starts with (a completion's prompt; a chat's last
     #: message when it has the answer's role), None without echo.
     echo_text: str | None = None
+    #: A chat answer's role (vLLM's `get_chat_request_role`): "assistant", or the last
+    #: message's own with `add_generation_prompt: false`.
+    role: str = "assistant"
     #: A completion with `echo` and `max_tokens: 0` (vLLM's `echo_without_generation`):
     #: the engine still generates one token (`max_tokens` is 1), the answer shows the
     #: prompt alone.
@@ -138,7 +142,8 @@ def parse_request(
         max_tokens = _optional_int(body, "max_tokens", 0 if body.get("echo") is True else 1)
     if not token_ids:
         raise RequestError("the prompt is empty", param="prompt")
-    echo_text = _echo_text(body, endpoint, token_ids, tokenizer)
+    role = _answer_role(body) if endpoint == "chat" else "assistant"
+    echo_text = _echo_text(body, endpoint, token_ids, tokenizer, role)
     echo_only = echo_text is not None and max_tokens == 0
     if echo_only:
         max_tokens = 1  # vLLM's to_sampling_params: one token generated, none shown
@@ -178,19 +183,29 @@ def parse_request(
         kv_transfer_params=body.get("kv_transfer_params"),
         body=body,
         lora=limits.lora(model),
+        role=role,
         echo_text=echo_text,
         echo_only=echo_only,
     )
 
 
+def _answer_role(body: Mapping[str, Any]) -> str:
+    """vLLM's `get_chat_request_role`: the response role ("assistant") when the template
+    adds a generation prompt, else the last message's role."""
+    if body.get("add_generation_prompt", True) is not False:
+        return "assistant"
+    role = body["messages"][-1].get("role") if isinstance(body["messages"][-1], dict) else None
+    return role if isinstance(role, str) and role else "assistant"
+
+
 def _echo_text(
     body: Mapping[str, Any], endpoint: Endpoint, token_ids: tuple[int, ...],
-    tokenizer: PromptTokenizer,
+    tokenizer: PromptTokenizer, role: str,
 ) -> str | None:
     """What `echo: true` puts before the answer, as vLLM's serving code: a completion's
     prompt (its text, or its token ids decoded); for a chat, the last message's content
-    when its role is the answer's ("assistant", or the last message's own role with
-    `add_generation_prompt: false`), text parts joined by newlines."""
+    when its role is the answer's `role`, its text parts joined by newlines as vLLM parses
+    them (`router.tokenization.messages`)."""
     if body.get("echo") is not True:
         return None
     if endpoint == "completion":
@@ -198,14 +213,8 @@ def _echo_text(
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         return prompt if isinstance(prompt, str) else tokenizer.decode(token_ids)
-    last = body["messages"][-1]
-    if not isinstance(last, dict):
-        return None
-    role = "assistant" if body.get("add_generation_prompt", True) else last.get("role")
+    last = conversation(body["messages"][-1:], "string")[-1]
     content = last.get("content")
-    if last.get("role") != role or not content:
+    if last["role"] != role or not isinstance(content, str) or not content:
         return None
-    if isinstance(content, list):
-        return "\n".join(part.get("text", "") for part in content
-                         if isinstance(part, dict) and part.get("type") == "text")
-    return content if isinstance(content, str) else None
+    return content

@@ -40,6 +40,7 @@ def chat_completion(
     text: str,
     usage_body: dict[str, Any],
     kv_transfer_params: dict[str, Any] | None,
+    role: str = "assistant",
 ) -> dict[str, Any]:
     return {
         "id": response_id,
@@ -50,7 +51,7 @@ def chat_completion(
             {
                 "index": 0,
                 "message": {
-                    "role": "assistant",
+                    "role": role,
                     "content": text,
                     "refusal": None,
                     "annotations": None,
@@ -138,6 +139,7 @@ class ChunkWriter:
         self._include_usage = request.include_usage
         self._prompt_tokens = len(request.token_ids)
         self._chat_echo = request.echo_text if self._chat else None
+        self._role = request.role
 
     def _chunk(self, choice: dict[str, Any]) -> bytes:
         return self._prefix + orjson.dumps(choice) + b"]}\n\n"
@@ -149,7 +151,7 @@ class ChunkWriter:
         head = self._chunk(
             {
                 "index": 0,
-                "delta": {"role": "assistant", "content": ""},
+                "delta": {"role": self._role, "content": ""},
                 "logprobs": None,
                 "finish_reason": None,
             }

@@ -243,15 +243,11 @@ class SimServer:
         if engine.paces_tokens:
             for _ in range(len(generation.pieces) - 1):
                 await engine.token_gap()
-        build = chat_completion if parsed.endpoint == "chat" else text_completion
-        body = build(
-            response_id,
-            int(time.time()),
-            parsed.model,
-            answer_text(parsed, generation.pieces),
-            usage(generation.prompt_tokens, len(generation.pieces)),
-            kv_transfer_params,
-        )
+        args = (response_id, int(time.time()), parsed.model,
+                answer_text(parsed, generation.pieces),
+                usage(generation.prompt_tokens, len(generation.pieces)), kv_transfer_params)
+        body = (chat_completion(*args, role=parsed.role) if parsed.endpoint == "chat"
+                else text_completion(*args))
         return _json(body, request_id=request_id)
 
     async def _stream(
@@ -267,8 +263,8 @@ class SimServer:
         response = web.StreamResponse(headers={**_SSE_HEADERS, REQUEST_ID_HEADER: request_id})
         await response.prepare(request)
         writer = ChunkWriter(parsed, response_id, int(time.time()))
-        pieces = stream_pieces(parsed, generation.pieces)
-        generated = len(generation.pieces)  # the usage counts what the engine generated
+        pieces = stream_pieces(parsed, generation.pieces)  # one a chunk, echo included
+        generated = len(generation.pieces)  # what the usage counts: the engine's tokens
         last = len(pieces) - 1
         try:
             if fault is not None and fault.drop_after_chunks is not None:

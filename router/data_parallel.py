@@ -30,7 +30,8 @@ nodes run `--headless`. The head pod is then N targets and the others none; but 
 headless node's ranks run their engine cores, and so their KV event publishers, on their
 own pod: rank r's events come from the pod whose ranks include r, on the ports + r
 (`Endpoint.engine_ip`; the view pairs a head with its headless pods within one
-deployment: the same role, PD group and LeaderWorkerSet group).
+deployment: the same role, PD group and LeaderWorkerSet group). Only the headless pods
+the ModelServer selects and that are Ready are seen.
 
 Annotations on the ModelServer: `pdgate.io/data-parallel-size` (N, default 1),
 `pdgate.io/data-parallel-lb` (`internal`, `hybrid` or `external`),

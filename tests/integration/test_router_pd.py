@@ -153,6 +153,12 @@ async def test_echo_through_the_pd_path(client: openai.AsyncOpenAI) -> None:
         model=MODEL, prompt=LONG_PROMPT, max_tokens=0, echo=True)
     assert only.choices[0].text == LONG_PROMPT
     assert only.usage is not None and only.usage.completion_tokens == 1
+    streamed = await client.completions.create(
+        model=MODEL, prompt=LONG_PROMPT, max_tokens=0, echo=True, stream=True,
+        stream_options={"include_usage": True})
+    chunks = [chunk async for chunk in streamed]
+    assert [c.choices[0].text for c in chunks if c.choices] == [LONG_PROMPT]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 1
 
     messages: list[Any] = [*QUESTION, {"role": "assistant", "content": "It is in"}]
     answer = expected_text(chat_ids(messages), 4, kv_from_store=True, model=MODEL)

@@ -182,6 +182,8 @@ def test_the_nixl_side_channel_is_read_from_vllms_environment(
     monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", "x")
     with pytest.raises(SystemExit):
         parse_config(base)
+    decode = ["--role", "decode", *base[2:]]  # makes no handle: vLLM would start, so do we
+    assert parse_config(decode).role == "decode"
 
 
 def test_params_of_both_protocols() -> None:

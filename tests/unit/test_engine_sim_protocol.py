@@ -81,6 +81,20 @@ def test_echo_is_read_as_vllm_serves_it() -> None:
     assert err.value.param == "max_tokens"
 
 
+def test_a_chat_echo_reads_content_parts_and_the_answer_role_as_vllm() -> None:
+    """Content parts are read as vLLM parses them (text-like part types, bare strings,
+    null texts skipped, joined by newlines); with `add_generation_prompt: false` the
+    answer's role is the last message's, so a user message is echoed under role user."""
+    parts = [{"type": "input_text", "text": "A"}, "B", {"type": "refusal", "refusal": "C"},
+             {"type": "text", "text": None}]
+    body = {"messages": [*MESSAGES, {"role": "assistant", "content": parts}], "echo": True}
+    parsed = parse_request(body, "chat", TOKENIZER, LIMITS)
+    assert (parsed.echo_text, parsed.role) == ("A\nB\nC", "assistant")
+    open_turn = {"messages": MESSAGES, "echo": True, "add_generation_prompt": False}
+    parsed = parse_request(open_turn, "chat", TOKENIZER, LIMITS)
+    assert (parsed.echo_text, parsed.role) == (MESSAGES[0]["content"], "user")
+
+
 def test_render_generate_request_shape() -> None:
     parsed = parse_request(
         {"model": "m", "messages": MESSAGES, "max_tokens": 20, "stop": "x"}, "chat", TOKENIZER,

@@ -458,6 +458,33 @@ def test_a_headless_rank_no_single_ready_pod_runs_has_no_engine_host() -> None:
         "10.0.2.0", "10.0.2.0", None, None, "10.0.2.8", "10.0.2.8", None, None]
 
 
+def test_headless_prefill_and_decode_pods_pair_within_their_role_and_group() -> None:
+    """PD over nodes: a prefill head's ranks 2 and 3 run on the headless PREFILL pod of
+    its group, never on a decode pod sharing the LeaderWorkerSet group key, nor on the
+    other group's."""
+    pd = PDGroup(group_key="g", prefill_labels={"r": "p"}, decode_labels={"r": "d"})
+    ms = _with_annotations(server(pd=pd), **{"pdgate.io/data-parallel-size": "4",
+                                             "pdgate.io/data-parallel-size-local": "2"})
+
+    def node(name: str, worker: int, role: str, group: str, ip: str) -> Pod:
+        made = _grouped(dataclasses.replace(_lws_pod(name, worker), ip=ip), "k")
+        labels = {**made.meta.labels, "g": group, "r": role}
+        return dataclasses.replace(made, meta=dataclasses.replace(made.meta, labels=labels))
+
+    pods = [node("p-head", 0, "p", "g0", "10.0.4.0"), node("p-w", 1, "p", "g0", "10.0.4.1"),
+            node("d-head", 0, "d", "g0", "10.0.4.2"), node("d-w", 1, "d", "g0", "10.0.4.3"),
+            node("p1-head", 0, "p", "g1", "10.0.4.4"), node("d1-head", 0, "d", "g1", "10.0.4.5"),
+            node("d1-w", 1, "d", "g1", "10.0.4.6")]
+    groups = build_snapshot([], [ms], pods).servers[("default", "ms")].groups
+    hosts = {e.key: e.engine_host for g in groups for e in (*g.prefill, *g.decode)}
+    assert [hosts[f"default/p-head/dp{r}"] for r in range(4)] == [
+        "10.0.4.0", "10.0.4.0", "10.0.4.1", "10.0.4.1"]
+    assert [hosts[f"default/d-head/dp{r}"] for r in range(4)] == [
+        "10.0.4.2", "10.0.4.2", "10.0.4.3", "10.0.4.3"]
+    assert [hosts[f"default/p1-head/dp{r}"] for r in range(4)] == [
+        "10.0.4.4", "10.0.4.4", None, None]  # g1 has no headless prefill pod
+
+
 @pytest.mark.parametrize("notes", [
     {"pdgate.io/data-parallel-size-local": "5", "pdgate.io/data-parallel-lb": "hybrid"},
     {"pdgate.io/data-parallel-size-local": "0", "pdgate.io/data-parallel-lb": "hybrid"},

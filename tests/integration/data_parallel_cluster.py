@@ -24,6 +24,7 @@ import openai
 
 from engine_sim.prompts import DEFAULT_CHAT_TEMPLATE, DEFAULT_TOKENIZER
 from tests.integration.harness import (
+    PRECISE_SCHEDULER,
     SimCluster,
     SimPodSpec,
     free_port,
@@ -36,15 +37,6 @@ from tests.integration.harness import (
 
 #: How long `wait_subscribed` gives one rank's batch to reach the router, per attempt.
 BATCH_WAIT_S = 0.2
-#: The router's scheduler: aggregated requests scored on the precise prefix index.
-SCHEDULER = """\
-profiles:
-  aggregated:
-    scorers:
-      - {type: precise-prefix-cache, weight: 1.0}
-      - {type: least-request, weight: 0.1}
-engineMetrics: {enabled: false}
-"""
 
 
 def messages(topic: str, question: str) -> list[dict[str, str]]:
@@ -149,7 +141,7 @@ def running_cluster(
         write_yaml(sim.config_dir / "objects.yaml",
                    [*agg_objects, *pd_objects, *(pod_manifest(spec) for spec in pods)])
         scheduler = sim.workdir / "scheduler.yaml"
-        scheduler.write_text(SCHEDULER)
+        scheduler.write_text(PRECISE_SCHEDULER)
         sim.start_router(["--scheduler-config", str(scheduler)])
         cluster = DPCluster(sim, port, agg.model)
         cluster.wait_subscribed(subscribe)

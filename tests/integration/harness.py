@@ -38,6 +38,16 @@ _SESSION_FIRST_NET = (os.getpid() % _SESSION_SLOTS) * NETS_PER_SESSION
 #: What every pod address of this session starts with: an error a client sees must not
 #: contain it (pod addresses are internal).
 POD_ADDRESS_PREFIX = f"127.{1 + _SESSION_FIRST_NET // 256}."
+#: A router scheduler that scores aggregated requests on the precise prefix index (the
+#: engines' KV events), load breaking ties; engine metrics off.
+PRECISE_SCHEDULER = """\
+profiles:
+  aggregated:
+    scorers:
+      - {type: precise-prefix-cache, weight: 1.0}
+      - {type: least-request, weight: 0.1}
+engineMetrics: {enabled: false}
+"""
 _next_net = itertools.count()
 
 

@@ -22,6 +22,7 @@ import pytest
 
 from engine_sim.prompts import DEFAULT_CHAT_TEMPLATE, DEFAULT_TOKENIZER
 from tests.integration.harness import (
+    PRECISE_SCHEDULER,
     SimCluster,
     SimPodSpec,
     free_port,
@@ -41,14 +42,6 @@ ADAPTER = "sql-lora"
 NET = loopback_net()
 PODS = (SimPodSpec("lora-0", f"{NET}.51", "both", labels={"app": "lora"}),
         SimPodSpec("lora-1", f"{NET}.52", "both", labels={"app": "lora"}))
-SCHEDULER = """\
-profiles:
-  aggregated:
-    scorers:
-      - {type: precise-prefix-cache, weight: 1.0}
-      - {type: least-request, weight: 0.1}
-engineMetrics: {enabled: false}
-"""
 SYSTEM = "You translate questions about tables into SQL. " * 30  # many full blocks
 
 
@@ -95,7 +88,7 @@ def lora(mooncake_master: object, tmp_path_factory: pytest.TempPathFactory) -> I
         write_yaml(cluster.config_dir / "objects.yaml",
                    [route, server, *(pod_manifest(spec) for spec in PODS)])
         scheduler = cluster.workdir / "scheduler.yaml"
-        scheduler.write_text(SCHEDULER)
+        scheduler.write_text(PRECISE_SCHEDULER)
         cluster.start_router(["--scheduler-config", str(scheduler)])
         yield Lora(cluster, port)
     finally:

@@ -134,6 +134,8 @@ class Admission:
 
     def _take(self, model: str) -> None:
         self.inflight += 1
+        if self.inflight == 1:
+            self.adaptive.wake()  # the first in flight: the lag sampler runs again
         if self.max_per_model:
             self.per_model[model] = self.per_model.get(model, 0) + 1
 

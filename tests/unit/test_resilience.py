@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -314,6 +316,36 @@ def test_the_adaptive_limit_follows_the_loop_lag() -> None:
     for _ in range(10):
         idle.adaptive.observe(1.0)  # lag with nothing in flight: never below the floor
     assert idle.max_inflight == 10
+
+
+async def test_the_lag_sampler_sleeps_while_the_router_is_idle() -> None:
+    admission = Admission(ResilienceConfig(inflight_per_pod=100, min_inflight=10,
+                                           loop_lag_target_s=0.02, max_queue=0))
+    admission.size_for(4)
+    adaptive = admission.adaptive
+    sampler = asyncio.create_task(admission.run())
+    try:
+        await asyncio.sleep(0.01)
+        assert not adaptive.sampling  # nothing in flight: no timer
+        for _ in range(200):
+            assert admission.try_enter("m")
+        await asyncio.sleep(0)
+        assert adaptive.sampling  # the first admission started it again
+        loop = asyncio.get_running_loop()
+        for _ in range(3):
+            loop.call_soon(time.sleep, 0.2)  # the loop blocked 4x past the sampling period
+            await asyncio.sleep(0.06)
+        assert admission.max_inflight < 200  # the lag was seen and cut the limit
+        for _ in range(200):
+            admission.leave("m")
+        async with asyncio.timeout(5):
+            while adaptive.sampling:  # noqa: ASYNC110 (the limit climbs back, then it parks)
+                await asyncio.sleep(0.05)
+        assert admission.max_inflight == 400
+    finally:
+        sampler.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sampler
 
 
 # --- drain --------------------------------------------------------------------------

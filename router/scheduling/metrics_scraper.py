@@ -22,6 +22,12 @@ A pod that runs several data-parallel ranks behind one API server (`router.view.
 DataParallel`) is one page for several targets: it is scraped once and each rank's load
 read from the series labelled with its `engine` (vLLM labels every engine's series so).
 
+Pages are read with the data path's lean client (`router.http_client`): a scrape through
+aiohttp's client cost about twice its CPU, ten times a second with two pods. The request
+asks for the page uncompressed (`accept-encoding: identity`): SGLang's `/metrics`
+(prometheus_client's ASGI app) gzips for a client that accepts it, CPU on the engine's
+side and ours for a page that crosses a cluster network.
+
 Once per host: with `pdgate serve --workers N` only worker 0 scrapes; its store's
 `listener` publishes each scrape (`router.sync`) and the other workers, whose scrapers
 are `passive`, apply it with `EngineMetricsStore.apply_remote`.
@@ -38,8 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
-import aiohttp
-
+from router.http_client import ConnectionBroken, Pool, Response
 from router.scheduling.metrics import SchedulerMetrics
 from router.view import Snapshot
 
@@ -51,9 +56,9 @@ DEFAULT_STALE_AFTER_INTERVALS: Final = 5
 DEFAULT_MAX_CONCURRENCY: Final = 32
 #: Largest /metrics page read, in bytes (the rest is ignored).
 MAX_METRICS_BYTES: Final = 4 << 20
-#: Connection pool bounds of the scraper's own HTTP client.
+#: Connection pool bounds of the scraper's own HTTP client (one scrape a page at a time).
 MAX_CONNECTIONS: Final = 64
-MAX_CONNECTIONS_PER_HOST: Final = 2
+MAX_CONNECTIONS_PER_HOST: Final = 1
 #: Below vLLM's 5 s idle timeout, so a kept-alive connection is never reset under us.
 KEEPALIVE_S: Final = 4.0
 
@@ -273,6 +278,10 @@ class MetricsScraper:
         self._clock = clock
         #: base URL -> (key, `engine` label or None for the whole page) of each target
         self._pages: dict[str, tuple[tuple[str, bytes | None], ...]] = {}
+        #: base URL -> (scheme, host, port, the GET's head) of each page
+        self._where: dict[str, tuple[str, str, int, bytes]] = {}
+        #: The connections of `run` while it runs (`reconfigure` updates its timeout).
+        self._pool: Pool | None = None
         self._running: dict[str, asyncio.Task[None]] = {}
         self._capacity: dict[str, int | None] = {}
         #: Rank targets whose `engine` series their page lacked, warned about once (bounded
@@ -286,6 +295,12 @@ class MetricsScraper:
         s = self.settings
         self.store.stale_after_s = s.interval_s * s.stale_after_intervals
         self._semaphore = asyncio.Semaphore(max(1, s.max_concurrency))
+        if self._pool is not None:
+            self._pool.connect_timeout_s = s.timeout_s
+
+    def _new_pool(self) -> Pool:
+        return Pool(MAX_CONNECTIONS, MAX_CONNECTIONS_PER_HOST, KEEPALIVE_S,
+                    self.settings.timeout_s)
 
     def reconfigure(self, settings: ScrapeSettings) -> None:
         self.settings = settings
@@ -293,8 +308,13 @@ class MetricsScraper:
 
     def on_snapshot(self, snapshot: Snapshot) -> None:
         pages: dict[str, list[tuple[str, int | None]]] = {}
+        where: dict[str, tuple[str, str, int, bytes]] = {}
         for key, pod in snapshot.endpoints().items():
-            pages.setdefault(pod.base_url, []).append((key, pod.dp_rank))
+            url = pod.base_url
+            pages.setdefault(url, []).append((key, pod.dp_rank))
+            if url not in where:
+                where[url] = (pod.scheme, pod.ip, pod.port, _page_request(url))
+        self._where = where
         self._pages = {
             url: tuple(
                 (key, None if rank is None or len(targets) == 1 else str(rank).encode())
@@ -312,29 +332,27 @@ class MetricsScraper:
         if self.passive:
             return
         loop = asyncio.get_running_loop()
-        connector = aiohttp.TCPConnector(
-            limit=MAX_CONNECTIONS, limit_per_host=MAX_CONNECTIONS_PER_HOST,
-            keepalive_timeout=KEEPALIVE_S,
-        )
-        async with aiohttp.ClientSession(connector=connector, auto_decompress=True) as session:
-            try:
-                while True:
-                    began = loop.time()
-                    pages = self._pages if self.settings.enabled else {}
-                    for url in pages:
-                        if url not in self._running:
-                            task = asyncio.create_task(self._scrape(session, url))
-                            self._running[url] = task
-                            task.add_done_callback(self._finished(url))
-                    interval = self.settings.interval_s
-                    await asyncio.sleep(max(0.0, interval - (loop.time() - began)))
-            finally:
-                tasks = list(self._running.values())
-                for task in tasks:
-                    task.cancel()
-                for task in tasks:
-                    with contextlib.suppress(asyncio.CancelledError, Exception):
-                        await task
+        pool = self._pool = self._new_pool()
+        try:
+            while True:
+                began = loop.time()
+                pages = self._pages if self.settings.enabled else {}
+                for url in pages:
+                    if url not in self._running:
+                        task = asyncio.create_task(self._scrape(pool, url))
+                        self._running[url] = task
+                        task.add_done_callback(self._finished(url))
+                interval = self.settings.interval_s
+                await asyncio.sleep(max(0.0, interval - (loop.time() - began)))
+        finally:
+            self._pool = None
+            tasks = list(self._running.values())
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            await pool.close()
 
     def _finished(self, url: str) -> Callable[[asyncio.Task[None]], None]:
         def done(_task: asyncio.Task[None]) -> None:
@@ -342,29 +360,33 @@ class MetricsScraper:
 
         return done
 
-    async def scrape_once(self, session: aiohttp.ClientSession) -> None:
+    async def scrape_once(self) -> None:
         """Scrape every pod once and wait for all of them (tests, warm-up)."""
-        await asyncio.gather(*(self._scrape(session, url) for url in self._pages))
-
-    async def _scrape(self, session: aiohttp.ClientSession, url: str) -> None:
-        timeout = self.settings.timeout_s
+        pool = self._new_pool()
         try:
-            async with self._semaphore:
-                async with asyncio.timeout(timeout):
-                    async with session.get(
-                        url + "/metrics",
-                        timeout=aiohttp.ClientTimeout(
-                            total=None, sock_connect=timeout, sock_read=timeout
-                        ),
-                    ) as response:
-                        if response.status != 200:
-                            self._metrics.scrape_errors.labels(reason="http").inc()
-                            return
-                        body = await _read_bounded(response)
+            await asyncio.gather(*(self._scrape(pool, url) for url in self._pages))
+        finally:
+            await pool.close()
+
+    async def _scrape(self, pool: Pool, url: str) -> None:
+        where = self._where.get(url)
+        if where is None:
+            return
+        scheme, host, port, head = where
+        try:
+            async with self._semaphore, asyncio.timeout(self.settings.timeout_s):
+                response = await pool.request(scheme, host, port, head, b"")
+                try:
+                    if response.status != 200:
+                        self._metrics.scrape_errors.labels(reason="http").inc()
+                        return
+                    body = await _read_bounded(response)
+                finally:
+                    response.release()
         except TimeoutError:
             self._metrics.scrape_errors.labels(reason="timeout").inc()
             return
-        except (aiohttp.ClientError, OSError):
+        except (ConnectionBroken, OSError):
             self._metrics.scrape_errors.labels(reason="connect").inc()
             return
         targets = self._pages.get(url)
@@ -400,11 +422,19 @@ class MetricsScraper:
                             "pod's first data-parallel rank right?", url, engine.decode(), key)
 
 
-async def _read_bounded(response: aiohttp.ClientResponse) -> bytes:
+def _page_request(base_url: str) -> bytes:
+    """The head of a GET of a pod's `/metrics` (see the module docstring)."""
+    host = base_url.split("://", 1)[-1]
+    return (f"GET /metrics HTTP/1.1\r\nhost: {host}\r\naccept: text/plain\r\n"
+            "accept-encoding: identity\r\n\r\n").encode("latin-1")
+
+
+async def _read_bounded(response: Response) -> bytes:
+    """The page's first `MAX_METRICS_BYTES` (a longer page's connection is not reused)."""
     chunks: list[bytes] = []
     size = 0
     while size < MAX_METRICS_BYTES:
-        chunk = await response.content.readany()
+        chunk = await response.readany()
         if not chunk:
             break
         chunks.append(chunk)

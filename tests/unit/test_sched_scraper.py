@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
-import aiohttp
 import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry
@@ -185,11 +185,57 @@ async def test_scrape_once_and_stale_values() -> None:
                              clock=lambda: clock[0])
     scraper.on_snapshot(_snapshot([port]))
     try:
-        async with aiohttp.ClientSession() as session:
-            await scraper.scrape_once(session)
+        await scraper.scrape_once()
         assert store.get(f"ns/p{port}", 1000.4) is not None
         assert store.get(f"ns/p{port}", 1000.6) is None  # older than 5 intervals: unknown
     finally:
+        await runner.cleanup()
+
+
+async def test_a_prometheus_client_page_is_read_uncompressed_on_one_kept_connection() -> None:
+    """SGLang serves `/metrics` with prometheus_client, which gzips for a client that
+    accepts gzip (here its aiohttp handler, the same exposition code as SGLang's ASGI
+    app): the scraper asks for the page as is, and reuses its connection between scrapes."""
+    from prometheus_client import Gauge
+    from prometheus_client.aiohttp import make_aiohttp_handler
+
+    registry = CollectorRegistry()
+    Gauge("sglang:num_running_reqs", "running", ["model_name"],
+          registry=registry).labels(model_name="m").set(4)
+    Gauge("sglang:num_queue_reqs", "queued", ["model_name"],
+          registry=registry).labels(model_name="m").set(1)
+    handler = make_aiohttp_handler(registry)
+    peers: set[object] = set()
+    encodings: list[str | None] = []
+    scraped = asyncio.Event()
+
+    async def page(request: web.Request) -> web.StreamResponse:
+        peers.add(request.transport.get_extra_info("peername") if request.transport else None)
+        encodings.append(request.headers.get("Accept-Encoding"))
+        if len(encodings) >= 4:
+            scraped.set()
+        return await handler(request)
+
+    app = web.Application()
+    app.router.add_get("/metrics", page)
+    runner, port = await serve(app)
+    store = EngineMetricsStore()
+    registry_of_router = CollectorRegistry()
+    scraper = MetricsScraper(store, SchedulerMetrics(registry_of_router),
+                             ScrapeSettings(interval_s=0.02))
+    scraper.on_snapshot(_snapshot([port]))
+    task = asyncio.create_task(scraper.run())
+    try:
+        await asyncio.wait_for(scraped.wait(), 5)
+        load = store.get(f"ns/p{port}", time.monotonic())
+        assert load is not None and (load.running, load.waiting) == (4.0, 1.0)
+        assert set(encodings) == {"identity"}
+        assert len(peers) == 1  # one connection, kept alive between scrapes
+        assert registry_of_router.get_sample_value("pdgate_engine_scrapes_total") >= 4
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
         await runner.cleanup()
 
 
@@ -254,8 +300,7 @@ async def test_a_data_parallel_pod_is_scraped_once_for_all_its_ranks() -> None:
     hits: list[str] = []
     runner, store, scraper = await _ranks_page(VLLM, {0: "0", 1: "1"}, hits)
     try:
-        async with aiohttp.ClientSession() as session:
-            await scraper.scrape_once(session)
+        await scraper.scrape_once()
         assert hits == ["/metrics"]
         now = time.monotonic()
         zero, one = store.get("ns/p/dp0", now), store.get("ns/p/dp1", now)
@@ -274,9 +319,8 @@ async def test_a_nodes_ranks_read_their_global_engine_series_and_a_missing_one_i
     node = VLLM.replace('engine="1"', 'engine="3"').replace('engine="0"', 'engine="2"')
     runner, store, scraper = await _ranks_page(node, {2: "0", 3: "1", 4: "2"})
     try:
-        async with aiohttp.ClientSession() as session:
-            for _ in range(3):
-                await scraper.scrape_once(session)
+        for _ in range(3):
+            await scraper.scrape_once()
         now = time.monotonic()
         two, three = store.get("ns/p/dp2", now), store.get("ns/p/dp3", now)
         assert two is not None and three is not None

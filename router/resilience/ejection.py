@@ -19,6 +19,7 @@ a pod one process finds broken is out everywhere, and back everywhere after one 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -86,6 +87,8 @@ class OutlierDetector:
         self.ejected: set[str] = set()
         #: Called with (pod key, backoff seconds; 0.0 = readmitted) on local changes.
         self.listener: Callable[[str, float], None] | None = None
+        #: Set while some pod is ejected: the readmission loop sleeps on it otherwise.
+        self.any_ejected = asyncio.Event()
 
     def is_ejected(self, key: str) -> bool:
         return key in self.ejected
@@ -149,6 +152,7 @@ class OutlierDetector:
         trouble.probing = False
         newly = endpoint.key not in self.ejected
         self.ejected.add(endpoint.key)
+        self.any_ejected.set()
         log.warning("pod %s ejected for %.1f s (%s, ejection %d in a row)",
                     endpoint.key, trouble.backoff, source, trouble.times)
         if self._metrics is not None:
@@ -187,6 +191,8 @@ class OutlierDetector:
         trouble.failures = 0
         trouble.readmitted_at = self._clock()
         self.ejected.discard(endpoint.key)
+        if not self.ejected:
+            self.any_ejected.clear()
         log.warning("pod %s readmitted after a successful probe", endpoint.key)
         if self._metrics is not None:
             self._metrics.readmissions.inc()
@@ -204,6 +210,8 @@ class OutlierDetector:
                 self.ejected.discard(key)
                 if self._metrics is not None:
                     self._metrics.ejected.remove(key)
+        if not self.ejected:
+            self.any_ejected.clear()
         if self._metrics is not None:
             self._metrics.ejected_count.set(len(self.ejected))
 

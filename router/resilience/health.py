@@ -59,6 +59,8 @@ class HealthChecker:
 
     async def _readmit_loop(self) -> None:
         while True:
+            if not self._detector.ejected:  # nothing to probe back in: no timer either
+                await self._detector.any_ejected.wait()
             try:
                 await self.readmit()
             except Exception:  # a bug here must not leave pods ejected for good

@@ -38,12 +38,36 @@ SHUTDOWN_SLACK_S = 1.0
 CUT_WAIT_S = 1.0
 
 
+#: How often the servers' main loop wakes: uvicorn's wakes every 0.1 s to refresh its
+#: `date` header once a second and to look at `should_exit`, ten wake-ups a second of an
+#: idle router; the header's resolution is a second, and `stop()` ends the wait at once.
+TICK_S = 1.0
+
+
 class _Server(uvicorn.Server):
-    """A uvicorn server that leaves signal handling to `DrainingRunner`."""
+    """A uvicorn server that leaves signal handling to `DrainingRunner` and ticks once a
+    second (`TICK_S`)."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self._stopping = asyncio.Event()
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
+
+    def stop(self) -> None:
+        """Stop serving (uvicorn's `should_exit`), now rather than at the next tick."""
+        self.should_exit = True
+        self._stopping.set()
+
+    async def main_loop(self) -> None:
+        counter = 0
+        while not await self.on_tick(counter):
+            counter = (counter + 10) % 864000  # uvicorn refreshes `date` on multiples of 10
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(TICK_S):
+                    await self._stopping.wait()
 
 
 class DrainingRunner:
@@ -117,7 +141,7 @@ class DrainingRunner:
             # open, a CancelledError traceback). Its own shutdown is bounded anyway.
             log.warning("signal %d a third time: stopping without waiting", signum)
             for server in self.servers:
-                server.should_exit = True
+                server.stop()
 
     async def _drain(self) -> None:
         began = time.monotonic()
@@ -138,7 +162,7 @@ class DrainingRunner:
                         why, self.drain.cut())
             await _first_of(CUT_WAIT_S, self.drain.idle)
         for server in self.servers:
-            server.should_exit = True
+            server.stop()
 
 
 async def _first_of(timeout_s: float, *events: asyncio.Event) -> None:

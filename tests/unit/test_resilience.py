@@ -174,6 +174,34 @@ async def test_sweep_ejects_after_the_threshold_and_probes_readmit() -> None:
     assert gauge(registry, "pdgate_health_checks_total", result="failed") == 2
 
 
+async def test_the_readmission_loop_sleeps_until_a_pod_is_ejected() -> None:
+    probed: list[str] = []
+
+    async def probe(url: str, timeout_s: float) -> bool:
+        probed.append(url)
+        return True
+
+    config = ResilienceConfig(consecutive_failures=1, base_ejection_s=0.0,
+                              health_interval_s=0, probe_tick_s=0.01)
+    detector = OutlierDetector(config)
+    checker = HealthChecker(config, ClusterView(), detector, probe)
+    task = asyncio.create_task(checker.run())
+    try:
+        await asyncio.sleep(0.05)
+        assert probed == [] and not detector.any_ejected.is_set()
+        detector.record_failure(Endpoint("default", "p", "10.0.0.1", 8000, "both"))
+        assert detector.any_ejected.is_set()
+        async with asyncio.timeout(5):
+            while detector.ejected:  # noqa: ASYNC110 (the loop wakes, probes, readmits)
+                await asyncio.sleep(0.01)
+        assert probed == ["http://10.0.0.1:8000/health"]
+        assert not detector.any_ejected.is_set()  # asleep again
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
 async def test_the_ranks_of_a_data_parallel_pod_share_one_probe() -> None:
     """A pod running two ranks behind one API server is two targets and one /health."""
     from router.resources import parse_object

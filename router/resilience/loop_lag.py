@@ -11,7 +11,7 @@ halving a step) and grows by about its square root per quiet sample otherwise, b
 `min_limit` and the ceiling the pods allow. A lag target of 0 turns it off.
 
 With nothing in flight and no cut in force the sampler parks: an idle router has no lag
-to measure, and a timer every `SAMPLE_S` was a third of its idle CPU (20 wake-ups a
+to measure, and a timer every `SAMPLE_S` was about a fifth of its idle CPU (20 wake-ups a
 second, each on a cold core). The admission that takes the first request starts it again
 (`wake`), so under traffic it samples as before.
 """

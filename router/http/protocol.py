@@ -29,8 +29,9 @@ connection and never per chunk:
 - **Refusal from the head.** When the app's `EarlyRefusal` turns a request down from its
   head alone (admission saturated: see `router/app.py`), the answer is written once the
   body has been read (and dropped, never buffered), with no ASGI scope, cycle or task: a
-  shed then costs a parse and a write, about 70 µs of router CPU against 110 µs through
-  the app (the kernel's read and write are most of what is left). Only an HTTP/1.1
+  shed then costs a parse and a write, about 30 µs of router CPU against 110 µs through
+  the app (the kernel's read and write are most of what is left; `benchmarks/HISTORY.md`,
+  "Refusals from the head"). Only an HTTP/1.1
   keep-alive request with nothing ahead of it on the connection and no `Expect` takes
   this path; any other goes to the app, which answers the same 503.
 - **Malformed requests** get an OpenAI-shaped 400 (`invalid_http_request`; uvicorn's is

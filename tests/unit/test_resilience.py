@@ -184,10 +184,20 @@ async def test_the_readmission_loop_sleeps_until_a_pod_is_ejected() -> None:
     config = ResilienceConfig(consecutive_failures=1, base_ejection_s=0.0,
                               health_interval_s=0, probe_tick_s=0.01)
     detector = OutlierDetector(config)
+    looks = 0
+    due = detector.due
+
+    def counted_due() -> list[Endpoint]:
+        nonlocal looks
+        looks += 1
+        return due()
+
+    detector.due = counted_due  # type: ignore[method-assign]
     checker = HealthChecker(config, ClusterView(), detector, probe)
     task = asyncio.create_task(checker.run())
     try:
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # five probe ticks
+        assert looks == 0  # asleep: not even a look at the empty set
         assert probed == [] and not detector.any_ejected.is_set()
         detector.record_failure(Endpoint("default", "p", "10.0.0.1", 8000, "both"))
         assert detector.any_ejected.is_set()
@@ -366,14 +376,50 @@ async def test_the_lag_sampler_sleeps_while_the_router_is_idle() -> None:
         assert admission.max_inflight < 200  # the lag was seen and cut the limit
         for _ in range(200):
             admission.leave("m")
-        async with asyncio.timeout(5):
-            while adaptive.sampling:  # noqa: ASYNC110 (the limit climbs back, then it parks)
+        # The limit climbs back (from the floor, 10, if the smoothed lag was still high
+        # when the last request left: about 40 samples, 2 s), then the sampler parks;
+        # a loop that lags again on a busy machine starts the climb over, hence the bound.
+        async with asyncio.timeout(30):
+            while adaptive.sampling:  # noqa: ASYNC110 (state the code under test keeps)
                 await asyncio.sleep(0.05)
         assert admission.max_inflight == 400
     finally:
         sampler.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await sampler
+
+
+async def test_a_server_ticks_once_a_second_and_stops_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The main loop's tick refreshes the `date` header; `stop()` ends the serve without
+    waiting for the next tick (here a minute away)."""
+    import socket
+
+    import uvicorn
+
+    from router.resilience import runner
+
+    monkeypatch.setattr(runner, "TICK_S", 60.0)
+
+    async def app(scope: dict[str, object], receive: object, send: object) -> None:
+        raise AssertionError("no request is sent")
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = runner._Server(uvicorn.Config(app, lifespan="off", log_level="warning"))
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        async with asyncio.timeout(10):
+            while not server.started:  # noqa: ASYNC110 (uvicorn's own flag)
+                await asyncio.sleep(0.01)
+        assert any(name == b"date" for name, _ in server.server_state.default_headers)
+        server.stop()
+        async with asyncio.timeout(10):
+            await serving
+    finally:
+        serving.cancel()
+        sock.close()
 
 
 # --- drain --------------------------------------------------------------------------

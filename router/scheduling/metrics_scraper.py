@@ -40,6 +40,7 @@ import contextlib
 import logging
 import math
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
@@ -380,7 +381,8 @@ class MetricsScraper:
                     if response.status != 200:
                         self._metrics.scrape_errors.labels(reason="http").inc()
                         return
-                    body = await _read_bounded(response)
+                    body = _decoded(await _read_bounded(response),
+                                    response.headers.get("content-encoding"))
                 finally:
                     response.release()
         except TimeoutError:
@@ -427,6 +429,20 @@ def _page_request(base_url: str) -> bytes:
     host = base_url.split("://", 1)[-1]
     return (f"GET /metrics HTTP/1.1\r\nhost: {host}\r\naccept: text/plain\r\n"
             "accept-encoding: identity\r\n\r\n").encode("latin-1")
+
+
+def _decoded(body: bytes, encoding: str | None) -> bytes:
+    """The page as text: a proxy on the way may compress it although asked not to (gzip
+    or deflate, inflated to at most `MAX_METRICS_BYTES`; a broken one parses as nothing)."""
+    if encoding is None or encoding == "identity":
+        return body
+    wbits = {"gzip": 31, "deflate": 15}.get(encoding.strip().lower())
+    if wbits is None:
+        return b""
+    try:
+        return zlib.decompressobj(wbits).decompress(body, MAX_METRICS_BYTES)
+    except zlib.error:
+        return b""
 
 
 async def _read_bounded(response: Response) -> bytes:

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gzip
+import socket
 import time
+import zlib
+from typing import Any
 
 import pytest
+import uvicorn
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
@@ -193,32 +198,33 @@ async def test_scrape_once_and_stale_values() -> None:
 
 
 async def test_a_prometheus_client_page_is_read_uncompressed_on_one_kept_connection() -> None:
-    """SGLang serves `/metrics` with prometheus_client, which gzips for a client that
-    accepts gzip (here its aiohttp handler, the same exposition code as SGLang's ASGI
-    app): the scraper asks for the page as is, and reuses its connection between scrapes."""
-    from prometheus_client import Gauge
-    from prometheus_client.aiohttp import make_aiohttp_handler
+    """SGLang mounts prometheus_client's ASGI app at `/metrics`, which gzips the page for a
+    client that accepts gzip: served here by uvicorn as SGLang serves it, the page is
+    asked for as is, and one connection is kept between scrapes."""
+    from prometheus_client import Gauge, make_asgi_app
 
     registry = CollectorRegistry()
     Gauge("sglang:num_running_reqs", "running", ["model_name"],
           registry=registry).labels(model_name="m").set(4)
     Gauge("sglang:num_queue_reqs", "queued", ["model_name"],
           registry=registry).labels(model_name="m").set(1)
-    handler = make_aiohttp_handler(registry)
-    peers: set[object] = set()
-    encodings: list[str | None] = []
+    metrics_app = make_asgi_app(registry=registry)
+    clients: set[object] = set()
+    encodings: list[bytes | None] = []
     scraped = asyncio.Event()
 
-    async def page(request: web.Request) -> web.StreamResponse:
-        peers.add(request.transport.get_extra_info("peername") if request.transport else None)
-        encodings.append(request.headers.get("Accept-Encoding"))
-        if len(encodings) >= 4:
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        clients.add(scope["client"])
+        encodings.append(dict(scope["headers"]).get(b"accept-encoding"))
+        if len(encodings) >= 5:  # the scrape before it has been read and counted
             scraped.set()
-        return await handler(request)
+        await metrics_app(scope, receive, send)
 
-    app = web.Application()
-    app.router.add_get("/metrics", page)
-    runner, port = await serve(app)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="warning"))
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
     store = EngineMetricsStore()
     registry_of_router = CollectorRegistry()
     scraper = MetricsScraper(store, SchedulerMetrics(registry_of_router),
@@ -226,17 +232,48 @@ async def test_a_prometheus_client_page_is_read_uncompressed_on_one_kept_connect
     scraper.on_snapshot(_snapshot([port]))
     task = asyncio.create_task(scraper.run())
     try:
-        await asyncio.wait_for(scraped.wait(), 5)
+        await asyncio.wait_for(scraped.wait(), 10)
         load = store.get(f"ns/p{port}", time.monotonic())
         assert load is not None and (load.running, load.waiting) == (4.0, 1.0)
-        assert set(encodings) == {"identity"}
-        assert len(peers) == 1  # one connection, kept alive between scrapes
+        assert set(encodings) == {b"identity"}
+        assert len(clients) == 1  # one connection, kept alive between scrapes
         assert registry_of_router.get_sample_value("pdgate_engine_scrapes_total") >= 4
     finally:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-        await runner.cleanup()
+        server.should_exit = True
+        await serving
+        sock.close()
+
+
+async def test_a_page_compressed_on_the_way_is_inflated() -> None:
+    """A proxy that compresses anyway: gzip and deflate pages are read, an encoding the
+    scraper cannot read is a parse error, not garbage parsed."""
+    encodings = {"gzip": gzip.compress, "deflate": zlib.compress, "br": lambda b: b}
+    loads: dict[str, EngineLoad | None] = {}
+    registry = CollectorRegistry()
+    metrics = SchedulerMetrics(registry)
+    for name, encode in encodings.items():
+        page = web.Response(body=encode(VLLM.encode()), headers={"Content-Encoding": name})
+
+        async def answer(request: web.Request, page: web.Response = page) -> web.Response:
+            return page
+
+        app = web.Application()
+        app.router.add_get("/metrics", answer)
+        runner, port = await serve(app)
+        store = EngineMetricsStore()
+        scraper = MetricsScraper(store, metrics)
+        scraper.on_snapshot(_snapshot([port]))
+        try:
+            await scraper.scrape_once()
+        finally:
+            await runner.cleanup()
+        loads[name] = store.get(f"ns/p{port}", time.monotonic())
+    assert [load and load.waiting for load in loads.values()] == [7.0, 7.0, None]
+    assert registry.get_sample_value("pdgate_engine_scrape_errors_total",
+                                     {"reason": "parse"}) == 1
 
 
 def test_get_many_is_memoized_until_a_scrape_lands_or_a_load_goes_stale() -> None:

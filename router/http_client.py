@@ -10,6 +10,9 @@ delivers it. One `Connection` per socket, one `Response` per request, nothing el
 - **Keep-alive pool.** Idle connections wait per pod (last in, first out) for at most
   `keepalive_s`, below the engines' own idle timeout (vLLM: 5 s), so the router never
   reuses a socket the engine is about to close; one the engine closed leaves the pool.
+  Once a `keepalive_s` a finished request also closes every expired idle connection:
+  a pod that left without closing its sockets is never asked again, and its connections
+  would otherwise stay open for as long as the router runs.
 - **Bounds.** At most `limit` connections in use router-wide and `limit_per_host` per
   pod; a request past a bound waits for a connection to come back, first come first
   served among the requests its turn can serve: a pod at its own bound holds up only
@@ -300,6 +303,7 @@ class Pool:
         self._tickets = itertools.count()
         self._ssl: ssl.SSLContext | None = None
         self._closed = False
+        self._swept = time.monotonic()
 
     async def request(self, scheme: str, host: str, port: int, head: bytes,
                       body: bytes) -> Response:
@@ -381,10 +385,25 @@ class Pool:
         if reuse and not conn.closed and not self._closed:
             idle = self._idle.setdefault(key, [])
             if len(idle) < self.limit_per_host:
-                conn.idle_since = time.monotonic()
+                now = conn.idle_since = time.monotonic()
                 idle.append(conn)
+                if now - self._swept > self.keepalive_s:
+                    self._sweep(now)
                 return
         conn.close()
+
+    def _sweep(self, now: float) -> None:
+        """Close every idle connection past `keepalive_s` (see the module docstring)."""
+        self._swept = now
+        stale_before = now - self.keepalive_s
+        for key, idle in list(self._idle.items()):
+            expired = [conn for conn in idle if conn.idle_since <= stale_before]
+            if expired:
+                idle[:] = [conn for conn in idle if conn.idle_since > stale_before]
+                if not idle:
+                    del self._idle[key]
+                for conn in expired:
+                    conn.close()
 
     def lost(self, conn: Connection) -> None:
         """`conn` closed: an idle one leaves the pool (a busy one is done by its owner)."""

@@ -228,6 +228,27 @@ async def test_idle_connections_expire_before_the_engine_closes_them(server: Ser
     await pool.close()
 
 
+async def test_a_pod_never_asked_again_has_its_idle_connections_closed(server: Server) -> None:
+    """A pod that left the view keeps no socket open: the next request done anywhere
+    after the keep-alive closes its expired idle connection."""
+    other = Server()
+    listener = await asyncio.start_server(other.handle, "127.0.0.1", 0)
+    other.port = listener.sockets[0].getsockname()[1]
+    async with listener:
+        pool = _pool(keepalive=0.05)
+        response = await _post(pool, server, "/json")  # then the pod is never asked again
+        await response.read(1024)
+        response.release()
+        await asyncio.sleep(0.1)
+        response = await _post(pool, other, "/json")
+        await response.read(1024)
+        response.release()
+        async with asyncio.timeout(5):
+            await server.closed.wait()  # the first pod saw its connection closed
+        assert list(pool._idle) == [("127.0.0.1", other.port)]
+        await pool.close()
+
+
 async def test_refused_connection_raises_connect_failed() -> None:
     listener = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
     port = listener.sockets[0].getsockname()[1]

@@ -138,6 +138,13 @@ async def _post(pool: Pool, server: Server, path: str, body: bytes = b"{}"):  # 
     return await pool.request("http", "127.0.0.1", server.port, head, body)
 
 
+async def _read_json(pool: Pool, server: Server) -> None:
+    """One `/json` request read to its end, its connection given back to the pool."""
+    response = await _post(pool, server, "/json")
+    await response.read(1024)
+    response.release()
+
+
 async def test_answers_are_read_and_connections_reused(server: Server) -> None:
     pool = _pool()
     for n in range(3):
@@ -217,13 +224,9 @@ async def test_error_statuses_come_back_with_their_body(server: Server) -> None:
 
 async def test_idle_connections_expire_before_the_engine_closes_them(server: Server) -> None:
     pool = _pool(keepalive=0.05)
-    response = await _post(pool, server, "/json")
-    await response.read(1024)
-    response.release()
+    await _read_json(pool, server)
     await asyncio.sleep(0.1)
-    response = await _post(pool, server, "/json")
-    await response.read(1024)
-    response.release()
+    await _read_json(pool, server)
     assert server.accepted == 2
     await pool.close()
 
@@ -236,13 +239,9 @@ async def test_a_pod_never_asked_again_has_its_idle_connections_closed(server: S
     other.port = listener.sockets[0].getsockname()[1]
     async with listener:
         pool = _pool(keepalive=0.05)
-        response = await _post(pool, server, "/json")  # then the pod is never asked again
-        await response.read(1024)
-        response.release()
+        await _read_json(pool, server)  # then the pod is never asked again
         await asyncio.sleep(0.1)
-        response = await _post(pool, other, "/json")
-        await response.read(1024)
-        response.release()
+        await _read_json(pool, other)
         async with asyncio.timeout(5):
             await server.closed.wait()  # the first pod saw its connection closed
         assert list(pool._idle) == [("127.0.0.1", other.port)]

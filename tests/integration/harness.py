@@ -38,16 +38,23 @@ _SESSION_FIRST_NET = (os.getpid() % _SESSION_SLOTS) * NETS_PER_SESSION
 #: What every pod address of this session starts with: an error a client sees must not
 #: contain it (pod addresses are internal).
 POD_ADDRESS_PREFIX = f"127.{1 + _SESSION_FIRST_NET // 256}."
-#: A router scheduler that scores aggregated requests on the precise prefix index (the
-#: engines' KV events), load breaking ties; engine metrics off.
-PRECISE_SCHEDULER = """\
+
+
+def precise_scheduler(load_weight: float = 0.1) -> str:
+    """A router scheduler that scores aggregated requests on the precise prefix index (the
+    engines' KV events) and, at `load_weight`, on requests in flight; engine metrics off."""
+    return f"""\
 profiles:
   aggregated:
     scorers:
-      - {type: precise-prefix-cache, weight: 1.0}
-      - {type: least-request, weight: 0.1}
-engineMetrics: {enabled: false}
+      - {{type: precise-prefix-cache, weight: 1.0}}
+      - {{type: least-request, weight: {load_weight}}}
+engineMetrics: {{enabled: false}}
 """
+
+
+#: `precise_scheduler` with load only breaking ties.
+PRECISE_SCHEDULER = precise_scheduler()
 _next_net = itertools.count()
 
 

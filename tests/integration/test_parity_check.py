@@ -38,6 +38,7 @@ from tests.integration.harness import (
     metric_values,
     pd_server_manifests,
     pod_manifest,
+    precise_scheduler,
     write_yaml,
 )
 from tests.polling import eventually as _eventually
@@ -51,14 +52,7 @@ pytestmark = pytest.mark.integration
 eventually = functools.partial(_eventually, within=30.0, interval=0.1)
 
 SERVERS = ("good", "skewed", "bare", "broken", "plain")
-SCHEDULER = """\
-profiles:
-  aggregated:
-    scorers:
-      - {type: precise-prefix-cache, weight: 1.0}
-      - {type: least-request, weight: 1.0}
-engineMetrics: {enabled: false}
-"""
+SCHEDULER = precise_scheduler(load_weight=1.0)
 SYSTEM = "You answer questions about caches. " * 40  # ~280 tokens: several blocks
 INPUT_LIMIT = 100
 #: 120 CJK characters: 30 "tokens" at 4 characters a token, well over 100 real tokens.

@@ -40,9 +40,11 @@ typecheck: setup
 
 setup: $(STAMP) $(COMPILED_STAMP) sysdeps
 
+# setup.py's build_ext runs on the virtualenv's own setuptools, which must read the SPDX
+# `license` string of pyproject.toml: 77 on (the one a new virtualenv brings is older).
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q --upgrade pip 'setuptools>=77'
 	PDGATE_COMPILE=0 $(BIN)/python -m pip install -q -e '.[test,sim,bench,tracing]'
 	touch $(STAMP)
 

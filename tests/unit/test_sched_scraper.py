@@ -8,12 +8,13 @@ import gzip
 import socket
 import time
 import zlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 import uvicorn
 from aiohttp import web
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 
 from router.resources import ModelServer, ObjectMeta
 from router.scheduling.metrics import SchedulerMetrics
@@ -197,6 +198,21 @@ async def test_scrape_once_and_stale_values() -> None:
         await runner.cleanup()
 
 
+@contextlib.asynccontextmanager
+async def _uvicorn(app: Any) -> AsyncIterator[int]:
+    """`app` served by uvicorn on a free loopback port (as SGLang and vLLM serve /metrics)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="warning"))
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        server.should_exit = True
+        await serving
+        sock.close()
+
+
 async def test_a_prometheus_client_page_is_read_uncompressed_on_one_kept_connection() -> None:
     """SGLang mounts prometheus_client's ASGI app at `/metrics`, which gzips the page for a
     client that accepts gzip: served here by uvicorn as SGLang serves it, the page is
@@ -220,31 +236,95 @@ async def test_a_prometheus_client_page_is_read_uncompressed_on_one_kept_connect
             scraped.set()
         await metrics_app(scope, receive, send)
 
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="warning"))
-    serving = asyncio.create_task(server.serve(sockets=[sock]))
     store = EngineMetricsStore()
     registry_of_router = CollectorRegistry()
     scraper = MetricsScraper(store, SchedulerMetrics(registry_of_router),
                              ScrapeSettings(interval_s=0.02))
+    async with _uvicorn(app) as port:
+        scraper.on_snapshot(_snapshot([port]))
+        task = asyncio.create_task(scraper.run())
+        try:
+            await asyncio.wait_for(scraped.wait(), 10)
+            load = store.get(f"ns/p{port}", time.monotonic())
+            assert load is not None and (load.running, load.waiting) == (4.0, 1.0)
+            assert set(encodings) == {b"identity"}
+            assert len(clients) == 1  # one connection, kept alive between scrapes
+            assert registry_of_router.get_sample_value("pdgate_engine_scrapes_total") >= 4
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+async def test_only_the_series_read_are_asked_for() -> None:
+    """prometheus_client's app (SGLang's `/metrics`, vLLM's once vllm#53160 lands) serves
+    `?name[]=...` as those samples alone: the engine renders none of its histograms for a
+    scrape, and the load and capacity read from the short page are the whole page's."""
+    from prometheus_client import Gauge, Histogram, make_asgi_app
+
+    registry = CollectorRegistry()
+    for name, value in (("vllm:num_requests_running", 3), ("vllm:num_requests_waiting", 7),
+                        ("vllm:kv_cache_usage_perc", 0.25)):
+        Gauge(name, name, ["engine"], registry=registry).labels("0").set(value)
+    Gauge("vllm:cache_config_info", "cache", ["engine", "block_size", "num_gpu_blocks"],
+          registry=registry).labels("0", "16", "2048").set(1)
+    Histogram("vllm:time_to_first_token_seconds", "ttft", ["engine"],
+              registry=registry).labels("0").observe(0.1)
+    metrics_app = make_asgi_app(registry=registry)
+    served: list[bytes] = []
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        async def recorded(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.body":
+                served.append(message.get("body", b""))
+            await send(message)
+
+        await metrics_app(scope, receive, recorded)
+
+    store = EngineMetricsStore()
+    scraper = MetricsScraper(store, SchedulerMetrics(CollectorRegistry()))
+    async with _uvicorn(app) as port:
+        scraper.on_snapshot(_snapshot([port]))
+        await scraper.scrape_once()
+    load = store.get(f"ns/p{port}", time.monotonic())
+    assert load is not None
+    assert load == parse_engine_metrics(generate_latest(registry), load.at)  # the whole page's
+    assert (load.running, load.waiting, load.kv_usage, load.capacity_tokens) == (
+        3.0, 7.0, 0.25, 2048 * 16)
+    page = b"".join(served)
+    assert b"vllm:num_requests_waiting" in page and b"time_to_first_token" not in page
+
+
+async def test_a_filter_answered_empty_reads_the_whole_page_from_then_on() -> None:
+    """A multiprocess registry not built to collect nameless collectors (SGLang's today,
+    sglang#35752) answers the filter with an empty page: the whole page is read at once
+    instead, and asked for whole from then on. A server that ignores the filter (vLLM
+    today) is read as it answers: the other tests' aiohttp pages."""
+    queries: list[str] = []
+
+    async def answer(request: web.Request) -> web.Response:
+        queries.append(request.query_string)
+        return web.Response(text="" if "name[]" in request.query else VLLM)
+
+    app = web.Application()
+    app.router.add_get("/metrics", answer)
+    runner, port = await serve(app)
+    registry = CollectorRegistry()
+    store = EngineMetricsStore()
+    scraper = MetricsScraper(store, SchedulerMetrics(registry))
     scraper.on_snapshot(_snapshot([port]))
-    task = asyncio.create_task(scraper.run())
     try:
-        await asyncio.wait_for(scraped.wait(), 10)
+        await scraper.scrape_once()
         load = store.get(f"ns/p{port}", time.monotonic())
-        assert load is not None and (load.running, load.waiting) == (4.0, 1.0)
-        assert set(encodings) == {b"identity"}
-        assert len(clients) == 1  # one connection, kept alive between scrapes
-        assert registry_of_router.get_sample_value("pdgate_engine_scrapes_total") >= 4
+        assert load is not None and load.waiting == 7.0
+        await scraper.scrape_once()
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        server.should_exit = True
-        await serving
-        sock.close()
+        await runner.cleanup()
+    assert [bool(query) for query in queries] == [True, False, False]
+    assert "name[]=vllm:num_requests_waiting" in queries[0]  # as the server decodes it
+    assert registry.get_sample_value("pdgate_engine_scrapes_total") == 2
+    assert registry.get_sample_value("pdgate_engine_scrape_errors_total",
+                                     {"reason": "parse"}) is None
 
 
 async def test_a_page_compressed_on_the_way_is_inflated() -> None:
@@ -255,10 +335,11 @@ async def test_a_page_compressed_on_the_way_is_inflated() -> None:
     registry = CollectorRegistry()
     metrics = SchedulerMetrics(registry)
     for name, encode in encodings.items():
-        page = web.Response(body=encode(VLLM.encode()), headers={"Content-Encoding": name})
+        page = encode(VLLM.encode())
 
-        async def answer(request: web.Request, page: web.Response = page) -> web.Response:
-            return page
+        async def answer(request: web.Request, page: bytes = page, name: str = name
+                         ) -> web.Response:
+            return web.Response(body=page, headers={"Content-Encoding": name})
 
         app = web.Application()
         app.router.add_get("/metrics", answer)

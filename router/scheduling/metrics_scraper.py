@@ -40,8 +40,12 @@ filtered pages, and both are read:
   mounts the app alone): the whole page, read as before.
 - A multiprocess registry (SGLang's, for its scheduler and tokenizer processes) answers
   the filter with an empty page unless it was built to collect nameless collectors
-  (prometheus_client 0.25 on, sglang#35752): the page is asked for again at once whole,
-  and from then on always so.
+  (prometheus_client 0.25 on, sglang#35752).
+
+A filtered answer without the series (empty, or an error status from a server or proxy
+that refuses the query) is followed at once by a request for the whole page; when that
+one has them, the pod's page is asked for whole from then on (a page with them in
+neither keeps being asked both ways: an engine still starting, say).
 
 Once per host: with `pdgate serve --workers N` only worker 0 scrapes; its store's
 `listener` publishes each scrape (`router.sync`) and the other workers, whose scrapers
@@ -391,52 +395,61 @@ class MetricsScraper:
             await pool.close()
 
     async def _scrape(self, pool: Pool, url: str) -> None:
-        whole = url in self._whole
-        body = await self._page(pool, url, whole)
-        if body is None:
+        filtered = url not in self._whole
+        page = await self._page(pool, url, filtered)
+        loads = self._loads(url, page)
+        if filtered and page is not None and url in self._pages and not _any_load(loads):
+            # Not what a filtered page holds (an error status, or none of the series): the
+            # whole page, and from then on always, if that one has them.
+            page = await self._page(pool, url, filtered=False)
+            loads = self._loads(url, page)
+            if _any_load(loads):
+                self._whole.add(url)
+        if page is None:
+            return  # failed, and counted
+        if isinstance(page, int):
+            self._metrics.scrape_errors.labels(reason="http").inc()
             return
-        targets = self._pages.get(url)
-        if targets is None:
+        if loads is None:
             return  # the pod left while we were reading
-        at = self._clock()
-        loads = [(key, engine, parse_engine_metrics(body, at, engine)) for key, engine in targets]
-        if not whole and not any(_has_load(load) for _, _, load in loads):
-            # The filter answered none of the series: the whole page, now and from now on.
-            self._whole.add(url)
-            await self._scrape(pool, url)
-            return
-        parsed = False
         missing: list[tuple[str, bytes | None]] = []
         for key, engine, load in loads:
             if not _has_load(load):
                 missing.append((key, engine))
                 continue
-            parsed = True
             self.store.put(key, load)
             if self._on_capacity is not None and self._capacity.get(key) != load.capacity_tokens:
                 self._capacity[key] = load.capacity_tokens
                 self._on_capacity(key, load.capacity_tokens)
-        if parsed:  # counted a page, not a target
+        if _any_load(loads):  # counted a page, not a target
             self._metrics.scrapes.inc()
             self._warn_unlabelled(url, missing)
         else:
             self._metrics.scrape_errors.labels(reason="parse").inc()
 
-    async def _page(self, pool: Pool, url: str, whole: bool) -> bytes | None:
-        """One pod's page (filtered unless `whole`), or None after counting why not."""
+    def _loads(self, url: str, page: bytes | int | None) -> list[_Target] | None:
+        """Each target's load on a page read, or None (no page, or the pod left)."""
+        targets = self._pages.get(url)
+        if not isinstance(page, bytes) or targets is None:
+            return None
+        at = self._clock()
+        return [(key, engine, parse_engine_metrics(page, at, engine)) for key, engine in targets]
+
+    async def _page(self, pool: Pool, url: str, filtered: bool) -> bytes | int | None:
+        """One pod's page, or its HTTP status when not 200, or None after counting a
+        timeout or a connection that failed."""
         where = self._where.get(url)
         if where is None:
             return None
         scheme, host, port, head = where
-        if whole:
+        if not filtered:
             head = _page_request(url, filtered=False)
         try:
             async with self._semaphore, asyncio.timeout(self.settings.timeout_s):
                 response = await pool.request(scheme, host, port, head, b"")
                 try:
                     if response.status != 200:
-                        self._metrics.scrape_errors.labels(reason="http").inc()
-                        return None
+                        return response.status
                     return _decoded(await _read_bounded(response),
                                     response.headers.get("content-encoding"))
                 finally:
@@ -458,8 +471,16 @@ class MetricsScraper:
                             "pod's first data-parallel rank right?", url, engine.decode(), key)
 
 
+#: (pod key, `engine` label or None, the load read for it) of one target of a page.
+_Target = tuple[str, bytes | None, EngineLoad]
+
+
 def _has_load(load: EngineLoad) -> bool:
     return load.running is not None or load.waiting is not None or load.kv_usage is not None
+
+
+def _any_load(loads: list[_Target] | None) -> bool:
+    return loads is not None and any(_has_load(load) for _, _, load in loads)
 
 
 #: The query of a filtered scrape: `name[]` once for each sample read (brackets escaped).

@@ -206,6 +206,10 @@ async def _uvicorn(app: Any) -> AsyncIterator[int]:
     server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="warning"))
     serving = asyncio.create_task(server.serve(sockets=[sock]))
     try:
+        while not server.started:  # listening: a first request is not left to task order
+            if serving.done():
+                serving.result()  # it failed to start: say why
+            await asyncio.sleep(0.005)
         yield sock.getsockname()[1]
     finally:
         server.should_exit = True
@@ -295,16 +299,23 @@ async def test_only_the_series_read_are_asked_for() -> None:
     assert b"vllm:num_requests_waiting" in page and b"time_to_first_token" not in page
 
 
-async def test_a_filter_answered_empty_reads_the_whole_page_from_then_on() -> None:
+@pytest.mark.parametrize("filtered_answer", [(200, ""), (400, "bad query")],
+                         ids=["empty", "refused"])
+async def test_a_filter_answered_without_the_series_reads_the_whole_page_from_then_on(
+    filtered_answer: tuple[int, str],
+) -> None:
     """A multiprocess registry not built to collect nameless collectors (SGLang's today,
-    sglang#35752) answers the filter with an empty page: the whole page is read at once
-    instead, and asked for whole from then on. A server that ignores the filter (vLLM
-    today) is read as it answers: the other tests' aiohttp pages."""
+    sglang#35752) answers the filter with an empty page, and a proxy may refuse the query:
+    the whole page is read at once instead, and asked for whole from then on. A server
+    that ignores the filter (vLLM today) is read as it answers: the other tests' pages."""
     queries: list[str] = []
+    status, text = filtered_answer
 
     async def answer(request: web.Request) -> web.Response:
         queries.append(request.query_string)
-        return web.Response(text="" if "name[]" in request.query else VLLM)
+        if "name[]" in request.query:
+            return web.Response(status=status, text=text)
+        return web.Response(text=VLLM)
 
     app = web.Application()
     app.router.add_get("/metrics", answer)
@@ -323,8 +334,34 @@ async def test_a_filter_answered_empty_reads_the_whole_page_from_then_on() -> No
     assert [bool(query) for query in queries] == [True, False, False]
     assert "name[]=vllm:num_requests_waiting" in queries[0]  # as the server decodes it
     assert registry.get_sample_value("pdgate_engine_scrapes_total") == 2
+    for reason in ("parse", "http"):
+        assert registry.get_sample_value("pdgate_engine_scrape_errors_total",
+                                         {"reason": reason}) is None
+
+
+async def test_a_page_without_the_series_either_way_keeps_the_filter() -> None:
+    """No load in the whole page either (an engine still starting, another server): one
+    parse error a scrape, and the next scrape asks for the filtered page again."""
+    queries: list[str] = []
+
+    async def answer(request: web.Request) -> web.Response:
+        queries.append(request.query_string)
+        return web.Response(text="# nothing yet\n")
+
+    app = web.Application()
+    app.router.add_get("/metrics", answer)
+    runner, port = await serve(app)
+    registry = CollectorRegistry()
+    scraper = MetricsScraper(EngineMetricsStore(), SchedulerMetrics(registry))
+    scraper.on_snapshot(_snapshot([port]))
+    try:
+        await scraper.scrape_once()
+        await scraper.scrape_once()
+    finally:
+        await runner.cleanup()
+    assert [bool(query) for query in queries] == [True, False, True, False]
     assert registry.get_sample_value("pdgate_engine_scrape_errors_total",
-                                     {"reason": "parse"}) is None
+                                     {"reason": "parse"}) == 2
 
 
 async def test_a_page_compressed_on_the_way_is_inflated() -> None:

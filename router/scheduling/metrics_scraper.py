@@ -42,10 +42,10 @@ filtered pages, and both are read:
   the filter with an empty page unless it was built to collect nameless collectors
   (prometheus_client 0.25 on, sglang#35752).
 
-A filtered answer without the series (empty, or an error status from a server or proxy
-that refuses the query) is followed at once by a request for the whole page; when that
-one has them, the pod's page is asked for whole from then on (a page with them in
-neither keeps being asked both ways: an engine still starting, say).
+A filtered answer without the series (empty, or a 4xx from a server or proxy that
+refuses the query; a 5xx is the engine's failure) is followed at once by a request for
+the whole page; when that one has them, the pod's page is asked for whole from then on
+(a page with them in neither keeps being asked both ways: an engine still starting, say).
 
 Once per host: with `pdgate serve --workers N` only worker 0 scrapes; its store's
 `listener` publishes each scrape (`router.sync`) and the other workers, whose scrapers
@@ -302,8 +302,8 @@ class MetricsScraper:
         self._pages: dict[str, tuple[tuple[str, bytes | None], ...]] = {}
         #: base URL -> (scheme, host, port, the filtered GET's head) of each page
         self._where: dict[str, tuple[str, str, int, bytes]] = {}
-        #: Pages whose filtered answer held none of the series: read whole (bounded by the
-        #: pages in the view).
+        #: Pages whose filtered answer held none of the series and whose whole page did:
+        #: read whole (bounded by the pages in the view).
         self._whole: set[str] = set()
         #: The connections of `run` while it runs (`reconfigure` updates its timeout).
         self._pool: Pool | None = None
@@ -398,9 +398,9 @@ class MetricsScraper:
         filtered = url not in self._whole
         page = await self._page(pool, url, filtered)
         loads = self._loads(url, page)
-        if filtered and page is not None and url in self._pages and not _any_load(loads):
-            # Not what a filtered page holds (an error status, or none of the series): the
-            # whole page, and from then on always, if that one has them.
+        if filtered and _refused_or_empty(page) and url in self._pages and not _any_load(loads):
+            # Not what a filtered page holds (a 4xx, or none of the series): the whole
+            # page, and from then on always, if that one has them. A 5xx is the engine's.
             page = await self._page(pool, url, filtered=False)
             loads = self._loads(url, page)
             if _any_load(loads):
@@ -481,6 +481,11 @@ def _has_load(load: EngineLoad) -> bool:
 
 def _any_load(loads: list[_Target] | None) -> bool:
     return loads is not None and any(_has_load(load) for _, _, load in loads)
+
+
+def _refused_or_empty(page: bytes | int | None) -> bool:
+    """A page read, or a 4xx: what a server that does not take the filter may answer."""
+    return isinstance(page, bytes) or (page is not None and 400 <= page < 500)
 
 
 #: The query of a filtered scrape: `name[]` once for each sample read (brackets escaped).

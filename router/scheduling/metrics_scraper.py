@@ -300,8 +300,8 @@ class MetricsScraper:
         self._clock = clock
         #: base URL -> (key, `engine` label or None for the whole page) of each target
         self._pages: dict[str, tuple[tuple[str, bytes | None], ...]] = {}
-        #: base URL -> (scheme, host, port, the filtered GET's head) of each page
-        self._where: dict[str, tuple[str, str, int, bytes]] = {}
+        #: base URL -> (scheme, host, port, the filtered GET's head, the whole page's)
+        self._where: dict[str, tuple[str, str, int, bytes, bytes]] = {}
         #: Pages whose filtered answer held none of the series and whose whole page did:
         #: read whole (bounded by the pages in the view).
         self._whole: set[str] = set()
@@ -333,12 +333,13 @@ class MetricsScraper:
 
     def on_snapshot(self, snapshot: Snapshot) -> None:
         pages: dict[str, list[tuple[str, int | None]]] = {}
-        where: dict[str, tuple[str, str, int, bytes]] = {}
+        where: dict[str, tuple[str, str, int, bytes, bytes]] = {}
         for key, pod in snapshot.endpoints().items():
             url = pod.base_url
             pages.setdefault(url, []).append((key, pod.dp_rank))
             if url not in where:
-                where[url] = (pod.scheme, pod.ip, pod.port, _page_request(url))
+                where[url] = (pod.scheme, pod.ip, pod.port, _page_request(url),
+                              _page_request(url, filtered=False))
         self._where = where
         self._pages = {
             url: tuple(
@@ -441,9 +442,8 @@ class MetricsScraper:
         where = self._where.get(url)
         if where is None:
             return None
-        scheme, host, port, head = where
-        if not filtered:
-            head = _page_request(url, filtered=False)
+        scheme, host, port, filtered_head, whole_head = where
+        head = filtered_head if filtered else whole_head
         try:
             async with self._semaphore, asyncio.timeout(self.settings.timeout_s):
                 response = await pool.request(scheme, host, port, head, b"")

@@ -418,9 +418,10 @@ def render(results: list[tuple[dict[str, Any], list[TraceRun]]]) -> str:
                 )
             lines += ["", "Mean abs error: over every prefill of the run "
                       "(`pdgate_scheduler_prefill_prediction_error_seconds`). Relative error, "
-                      "recent: the router's running mean at the end of the run "
-                      "(`pdgate_scheduler_prefill_fit{term=\"error_ratio\"}`, each prefill "
-                      "weighted 0.05: about its last 20).", "",
+                      "recent: the router's at the end of the run "
+                      "(`pdgate_scheduler_prefill_fit{term=\"error_ratio\"}`: the running "
+                      "mean error over the running mean duration, each prefill weighted "
+                      "0.05, about its last 20).", "",
                       "Where pdgate's CPU went (s; `pdgate_background_cpu_seconds`, thread "
                       "CPU where the work ran):", "",
                       "| policy | router CPU | KV events | tokenizing | the rest |",

@@ -137,6 +137,16 @@ def tree_cpu_seconds(pid: int) -> float:
     return total
 
 
+def main_thread_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of a process's main thread (its event loop, in a router),
+    or None if it cannot be read."""
+    with contextlib.suppress(psutil.Error):
+        for thread in psutil.Process(pid).threads():
+            if thread.id == pid:
+                return float(thread.user_time + thread.system_time)
+    return None
+
+
 def tree_rss_bytes(pid: int) -> int:
     total = 0
     for process in _tree(pid):

@@ -55,7 +55,7 @@ from typing import Any, Final
 
 from benchmarks.cluster import MODEL, ClusterShape, PodSpec, SimCluster
 from benchmarks.loadgen import LoadLimits, run_at
-from benchmarks.procs import StartupError
+from benchmarks.procs import StartupError, main_thread_cpu_seconds
 from benchmarks.routers import RouterSpec, RunningRouter
 from benchmarks.specs import RequestSpec
 from benchmarks.trace import DEFAULT_TRACE, TraceOptions, TraceWindow, trace_window
@@ -171,6 +171,8 @@ class TraceRun:
     store_hit: float
     best_hit: float
     router_cpu_s: float | None
+    #: The router's main thread (its event loop, where KV events are applied).
+    main_cpu_s: float | None
     peak_rss: int | None
     wall_s: float
     load_before: float
@@ -321,11 +323,13 @@ async def _one_router(
             log.warning("trace %s: %s", window.name, spec.name)
             before = _engine_hits(cluster.prefill)
             cpu0 = router.cpu_seconds()
+            main0 = _main_thread_cpu(router)
             load0 = os.getloadavg()[0]
             began = time.monotonic()
             load = await run_at(router.target, sessions, window.offsets, limits)
             wall = time.monotonic() - began
             cpu1 = router.cpu_seconds()
+            main1 = _main_thread_cpu(router)
             after = _engine_hits(cluster.prefill)
             prediction = (
                 _router_prediction(router.target.base_url)  # type: ignore[attr-defined]
@@ -351,9 +355,19 @@ async def _one_router(
                    if queries else 0.0),
         best_hit=window.best_hit_rate,
         router_cpu_s=None if cpu0 is None or cpu1 is None else cpu1 - cpu0,
+        main_cpu_s=None if main0 is None or main1 is None else main1 - main0,
         peak_rss=router.peak_rss, wall_s=wall, load_before=load0, load_after=load1,
         prediction=prediction,
     )  # fmt: skip
+
+
+def _main_thread_cpu(router: RunningRouter) -> float | None:
+    process = router.process
+    return None if process is None else main_thread_cpu_seconds(process.pid)
+
+
+def _fmt_s(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def _fmt_mb(value: int | None) -> str:
@@ -422,18 +436,20 @@ def render(results: list[tuple[dict[str, Any], list[TraceRun]]]) -> str:
                       "(`pdgate_scheduler_prefill_fit{term=\"error_ratio\"}`: the running "
                       "mean error over the running mean duration, each prefill weighted "
                       "0.05, about its last 20).", "",
-                      "Where pdgate's CPU went (s; `pdgate_background_cpu_seconds`, thread "
-                      "CPU where the work ran):", "",
-                      "| policy | router CPU | KV events | tokenizing | the rest |",
-                      "| --- | --- | --- | --- | --- |"]
+                      "Where pdgate's CPU went (s): the router's main thread (its event "
+                      "loop) and its other threads, and in them the work "
+                      "`pdgate_background_cpu_seconds` times where it runs (KV events on the "
+                      "loop, tokenizing in its own thread):", "",
+                      "| policy | router CPU | main thread | of it KV events | other threads "
+                      "| of them tokenizing |", "| --- | --- | --- | --- | --- | --- |"]
             for r in preds:
                 events = r.prediction.get("cpu_kv_events", 0.0)
                 tokenize = r.prediction.get("cpu_tokenize", 0.0)
-                total = r.router_cpu_s
-                rest = "-" if total is None else f"{total - events - tokenize:.2f}"
+                total, main = r.router_cpu_s, r.main_cpu_s
+                others = None if total is None or main is None else total - main
                 lines.append(
-                    f"| {r.router} | {'-' if total is None else f'{total:.2f}'} "
-                    f"| {events:.2f} | {tokenize:.2f} | {rest} |"
+                    f"| {r.router} | {_fmt_s(total)} | {_fmt_s(main)} | {events:.2f} "
+                    f"| {_fmt_s(others)} | {tokenize:.2f} |"
                 )
             lines.append("")
     return "\n".join(lines)

@@ -236,7 +236,9 @@ def test_the_report_states_both_slos_and_the_refusals() -> None:
     run = TraceRun(trace="t", router="pdgate (global-slo)", requests=4, ok=3,
                    ttfts=[0.5, 1.0, 1.9], slo_s=1.405, within_length_slo=0.75, refused=1,
                    local_hit=0.1, store_hit=0.1, best_hit=0.2, router_cpu_s=1.0,
-                   peak_rss=None, wall_s=6.0, load_before=0.0, load_after=0.0)
+                   main_cpu_s=0.6, peak_rss=None, wall_s=6.0, load_before=0.0,
+                   load_after=0.0,
+                   prediction={"cpu_kv_events": 0.25, "cpu_tokenize": 0.15, "fit_samples": 3})
     text = render([(setup, [run])])
     assert "no router can bring more than 75.0%" in text
     assert "2x the request's own uncached prefill" in text
@@ -244,6 +246,10 @@ def test_the_report_states_both_slos_and_the_refusals() -> None:
     row = next(line for line in text.splitlines() if line.startswith("| pdgate"))
     # within the flat SLO: 2 of 4 (the 429 counts as a miss); length-aware 75%; 1 refused
     assert "| 50.0% | 75.0% |" in row and "| 3/4 | 1 |" in row
+    # CPU: router 1.0 s, its loop 0.6 (KV events 0.25 of it), other threads 0.4 (tokenizing
+    # 0.15 of them)
+    cpu = [line for line in text.splitlines() if line.startswith("| pdgate")][-1]
+    assert cpu == "| pdgate (global-slo) | 1.00 | 0.60 | 0.25 | 0.40 | 0.15 |"
 
 
 @pytest.mark.parametrize(("budget", "runs"), [(None, True), (10.0, False)])

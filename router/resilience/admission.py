@@ -158,6 +158,8 @@ class Admission:
             async with asyncio.timeout(self.queue_timeout_s):
                 await waiter.future
         except TimeoutError:
+            if waiter.future.done() and not waiter.future.cancelled():
+                return  # admitted in the loop turn the deadline fired in: the slot is ours
             self._drop(waiter)
             raise self._refuse("queue_timeout", SATURATED_MESSAGE) from None
         except asyncio.CancelledError:

@@ -297,6 +297,22 @@ async def test_per_model_bound_does_not_block_other_models() -> None:
     assert admission.per_model == {"a": 1, "b": 1}
 
 
+async def test_a_waiter_admitted_as_its_deadline_fires_keeps_the_slot() -> None:
+    """The slot is handed over (its future done) and the queue deadline cancels the task
+    in the same loop turn: the request is admitted, and its slot is released once, by the
+    caller, so the count returns to zero (it was refused 503 with the slot kept for good)."""
+    admission = Admission(ResilienceConfig(max_inflight=1, max_queue=1, queue_timeout_s=0.05))
+    assert admission.try_enter("m")
+    waiting = asyncio.create_task(admission.wait("m"))
+    await asyncio.sleep(0)  # queued, its deadline set
+    asyncio.get_running_loop().call_soon(admission.leave, "m")  # the slot is freed in ...
+    time.sleep(0.1)  # noqa: ASYNC251 (blocks on purpose: the deadline passes in that turn)
+    await asyncio.wait_for(waiting, 1)  # admitted, not refused
+    assert admission.inflight == 1
+    admission.leave("m")
+    assert admission.inflight == 0 and admission.try_enter("m")
+
+
 async def test_a_cancelled_waiter_leaves_the_queue_and_passes_its_slot() -> None:
     admission = Admission(ResilienceConfig(max_inflight=1, max_queue=2, queue_timeout_s=5))
     assert admission.try_enter("m")

@@ -148,7 +148,10 @@ class Response:
         conn = self._conn
         if conn.response is self:
             conn.response = None
-            conn.pool.done(conn, reuse=self._complete and conn.keep_alive)
+            reuse = self._complete and conn.keep_alive
+            if reuse:
+                conn.resume()  # a hold on the body's last read, or its bytes left unread
+            conn.pool.done(conn, reuse=reuse)
 
     close = release
 
@@ -337,8 +340,9 @@ class Pool:
             except asyncio.CancelledError:
                 if waiter.done() and not waiter.cancelled():
                     self._wake_next()  # woken as we were cancelled: pass the turn on
-                elif line is self._waiting.get(key):
-                    line.remove(entry)  # never woken: leave the line
+                elif line is self._waiting.get(key) and entry in line:
+                    line.remove(entry)  # never woken: leave the line (unless a wake-up
+                    # in the same loop turn already dropped it, done, from the head)
                     if not line:
                         del self._waiting[key]
                 raise

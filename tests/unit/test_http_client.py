@@ -344,6 +344,36 @@ async def test_cancelled_waiters_and_closed_pods_leave_nothing_behind(server: Se
     await pool.close()
 
 
+async def test_a_waiter_cancelled_as_another_pod_frees_a_slot_ends_cancelled(
+    server: Server,
+) -> None:
+    """A waiter cancelled, then in the same loop turn another pod's release looks down the
+    lines and drops the cancelled entry from its head while its pod stays at the bound:
+    the cancelled request ends with CancelledError (it raised ValueError, its entry gone)."""
+    other = Server()
+    listener = await asyncio.start_server(other.handle, "127.0.0.1", 0)
+    other.port = listener.sockets[0].getsockname()[1]
+    async with listener:
+        pool = _pool(per_host=1)
+        held = await _post(pool, server, "/json")
+        held_other = await _post(pool, other, "/json")
+        await held_other.read(1024)
+        first = asyncio.ensure_future(_post(pool, server, "/json"))
+        second = asyncio.ensure_future(_post(pool, server, "/json"))
+        await asyncio.sleep(0.05)
+        first.cancel()
+        held_other.release()  # wakes nobody: `server` is still at its bound
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        assert not second.done()
+        await held.read(1024)
+        held.release()
+        response = await asyncio.wait_for(second, 5)  # the line still works
+        await response.read(1024)
+        response.release()
+        await pool.close()
+
+
 async def test_cancelling_a_request_closes_its_connection(server: Server) -> None:
     pool = _pool()
     task = asyncio.ensure_future(_post(pool, server, "/hang"))
@@ -448,6 +478,26 @@ async def test_push_mode_holds_reading_while_the_consumer_pushes_back(server: Se
     assert await response.wait() is False
     assert sum(map(len, received)) == BIG
     response.release()
+    await pool.close()
+
+
+async def test_a_connection_held_on_its_last_read_reads_again_when_kept(
+    server: Server,
+) -> None:
+    """The consumer pushes back on the read that also ends the body (the client's socket
+    is full as the stream ends): the connection is complete and kept alive, and the next
+    request on it is answered (it went back to the pool with reading paused, and its
+    next request waited for an answer it never read)."""
+    pool = _pool(per_host=1)
+    response = await _post(pool, server, "/json", b"[0]")
+    response.stream_to(lambda _: response.hold())
+    await response.wait()
+    response.release()
+    assert server.accepted == 1 and pool._idle  # kept for the next request
+    again = await asyncio.wait_for(_post(pool, server, "/json", b"[1]"), 2)
+    assert await asyncio.wait_for(again.read(1024), 2) == b"[1]"
+    again.release()
+    assert server.accepted == 1  # the same connection
     await pool.close()
 
 

@@ -25,7 +25,7 @@ import os
 import random
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -544,18 +544,7 @@ class Proxy:
         prefill_task = handoff.prefill_task if handoff is not None else None
         if prefill_task is None:
             return await opening
-        # Concurrent rendezvous: a failed prefill leaves decode waiting for KV that will
-        # never come, so watch both and give up on decode as soon as prefill fails.
-        decode_task = asyncio.ensure_future(opening)
-        try:
-            await asyncio.wait({decode_task, prefill_task}, return_when=asyncio.FIRST_COMPLETED)
-            if prefill_task.done() and prefill_task.exception() is not None:
-                decode_task.cancel()
-                raise prefill_task.exception()  # type: ignore[misc]
-            return await decode_task
-        except BaseException:
-            decode_task.cancel()
-            raise
+        return await _beside_prefill(opening, prefill_task)
 
     async def _relay(
         self, attempt: Attempt, pick: Pick, response: Response, out: Responder,
@@ -672,13 +661,42 @@ def _pick_attributes(pick: Pick) -> dict[str, Any]:
     return attributes
 
 
+async def _beside_prefill(opening: Awaitable[Response], prefill: asyncio.Future[Any]
+                          ) -> Response:
+    """Decode's response, opened while its prefill runs (the concurrent rendezvous): a
+    failed prefill leaves decode waiting for KV that will never come, so both are watched
+    and decode is given up as soon as prefill fails, or the request ends."""
+    decode = asyncio.ensure_future(opening)
+    try:
+        await asyncio.wait({decode, prefill}, return_when=asyncio.FIRST_COMPLETED)
+        if prefill.done() and prefill.exception() is not None:
+            raise prefill.exception()  # type: ignore[misc]
+        return await decode
+    except BaseException:
+        _give_up(decode)
+        raise
+
+
+def _give_up(opening: asyncio.Future[Response]) -> None:
+    """Cancel a response's opening, or close the response if its head is already in (it
+    may have come in the loop turn that ended the wait for it)."""
+    if not opening.done():
+        opening.cancel()
+    elif not opening.cancelled() and opening.exception() is None:
+        opening.result().close()
+
+
 async def _finish_prefill(task: asyncio.Task[Any]) -> None:
+    """Cancel a concurrent prefill still running and wait for it to end. Its failure was
+    dealt with (or no longer matters); a cancellation of the request during the wait is
+    the request's own and goes on up (awaiting the task itself would have taken it for
+    the prefill's and swallowed it)."""
     if not task.done():
         task.cancel()
-    try:
-        await task
-    except (asyncio.CancelledError, UpstreamError):
-        pass
+    await asyncio.wait({task})
+    failure = None if task.cancelled() else task.exception()
+    if failure is not None and not isinstance(failure, UpstreamError):
+        raise failure
 
 
 def _kv_lost(exc: UpstreamError) -> bool:

@@ -76,7 +76,7 @@ class Responder:
         if self.finished:
             return
         if self.started:
-            await self.body(self.sse_error(error))
+            await self._last(self.sse_error(error))
         else:
             await self.error(error, request_id)
 
@@ -86,7 +86,16 @@ class Responder:
             headers.append((b"x-request-id", request_id.encode()))
         headers.extend((k.encode(), v.encode()) for k, v in error.headers.items())
         await self.start(error.status, headers)
-        await self.body(error.body())
+        await self._last(error.body())
+
+    async def _last(self, data: bytes) -> None:
+        """An error's bytes, the answer's last: on the direct path written without waiting
+        for the client to drain (they are few), so that a client that stopped reading
+        cannot hold the request, its admission slot and its task, past its deadline."""
+        if self._direct is not None:
+            self.write_now(data, False)
+        else:
+            await self.body(data)
 
 
 def stream_error_form(parsed: ParsedRequest) -> Callable[[APIError], bytes]:

@@ -11,14 +11,16 @@ connection and never per chunk:
   parser stops at an upgrade the rest of the connection goes to a fresh parser primed
   with the request's own framing (`Content-Length` or chunked): the body is read as the
   body, and the answer is plain HTTP/1.1.
-- **A bounded head.** Bytes received before a head ends are counted; past
-  `max_head_bytes` the client gets a 431 and the connection is closed (counted per read,
-  so at most one read, 256 KiB, beyond the bound is ever buffered).
+- **A bounded head.** Bytes received before a head ends are counted (less the body
+  bytes of a request before it that the same read ends); past `max_head_bytes` the client
+  gets a 431 and the connection is closed (counted per read, so at most one read,
+  256 KiB, beyond the bound is ever buffered).
 - **Read timeouts.** The head must arrive within `header_timeout_s` (from accept, or from
   its first byte on a kept-alive connection), the body within `body_timeout_s` of the
   head; then 408 and close. Between requests uvicorn's keep-alive timer closes a
-  connection idle for `idle_timeout_s`. The timers run only while a read is incomplete:
-  a request that arrives in one read arms none.
+  connection idle for `idle_timeout_s`; blank lines, which a client may send before a
+  head and which begin none, start the head's clock instead. The timers run only while
+  a read is incomplete: a request that arrives in one read arms none.
 - **A declared body past the bound.** A head whose Content-Length exceeds
   `max_body_bytes` gets a 413 at once and the connection is closed (its body is never
   read; a client that sent `Expect: 100-continue` is answered instead of invited).
@@ -36,7 +38,9 @@ connection and never per chunk:
   this path; any other goes to the app, which answers the same 503.
 - **Malformed requests** get an OpenAI-shaped 400 (`invalid_http_request`; uvicorn's is
   plain text) and the connection closes, after the answers to any valid requests sent
-  ahead of them on it.
+  ahead of them on it (as do the 413 and 431 above).
+- **A client gone** is told to the request that runs, not only to the newest one parsed
+  (uvicorn's `cycle`, which is queued when the client pipelined it behind a stream).
 - **A direct write path.** An HTTP/1.1 request's cycle is an `EdgeCycle`: besides the
   ASGI `send`, it lets the data path (`direct_writer`) write its answer without a
   message dict and two coroutines per chunk, and with the head held back until the first
@@ -156,8 +160,13 @@ class EdgeProtocol(HttpToolsProtocol):
         #: A request refused from its head: the error and when; answered at its end.
         self._refused: tuple[APIError, float] | None = None
         self._closed_at_head = False  # answered from the head and closing: parse no more
-        self._owed_400: bytes | None = None  # a malformed request's answer, after the rest
+        #: The last answer of a connection closing on a bad request (400, 413, 431), owed
+        #: until the answers to the requests ahead of it are out.
+        self._owed: bytes | None = None
+        self._read_body = 0  # body bytes the parser found in the read being parsed
         self._timer: asyncio.TimerHandle | None = None
+        #: The cycle whose task runs (uvicorn's `cycle` is the newest, maybe queued).
+        self._running: RequestResponseCycle | None = None
 
     # --- connection ---------------------------------------------------------------------
 
@@ -175,10 +184,22 @@ class EdgeProtocol(HttpToolsProtocol):
         self._disarm()
         if self._refused is not None:
             self._end_refused(answered=False)
-        cycle = self.cycle
+        running, newest = self._running, self.cycle
         super().connection_lost(exc)
-        if type(cycle) is EdgeCycle and cycle.disconnected:
-            cycle.client_left()
+        # uvicorn tells only the newest cycle, which is queued when a pipelined request
+        # arrived during the running one: the running one must learn it too.
+        for cycle in (running, newest) if running is not newest else (newest,):
+            if cycle is None:
+                continue
+            if not cycle.response_complete:
+                cycle.disconnected = True
+                cycle.message_event.set()
+            if type(cycle) is EdgeCycle and cycle.disconnected:
+                cycle.client_left()
+
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
+        self._running = cycle
+        super()._start_asgi_task(cycle, app)
 
     def _should_upgrade(self) -> bool:
         return False  # no WebSocket, no h2c: every request is answered in HTTP/1.1
@@ -188,6 +209,7 @@ class EdgeProtocol(HttpToolsProtocol):
             return  # refused or closed: nothing more is read
         self._unset_keepalive_if_required()
         size = len(data)
+        self._read_body = 0
         while True:
             try:
                 self.parser.feed_data(data)
@@ -206,16 +228,29 @@ class EdgeProtocol(HttpToolsProtocol):
         if self.transport.is_closing():
             return
         if self._in_head:
-            if self._head_started:
-                self._head_bytes += size
+            if self._head_started:  # the read may end an earlier request's body too
+                self._head_bytes += size - self._read_body
                 if self._head_bytes > self.edge.max_head_bytes:
-                    self._refuse("header_too_large", _answer(headers_too_large(
+                    self._closed_at_head = True
+                    self._refuse_after("header_too_large", _answer(headers_too_large(
                         f"Request head exceeds {self.edge.max_head_bytes} bytes.")))
                     return
-                if self._timer is None:
-                    self._arm("header_timeout", self.edge.header_timeout_s)
+            if self._timer is None and (self._head_started or self._idle_untimed()):
+                self._arm("header_timeout", self.edge.header_timeout_s)
         elif self._timer is None:
             self._arm("body_timeout", self.edge.body_timeout_s)
+
+    def _idle_untimed(self) -> bool:
+        """Whether nothing runs and no timer watches the connection: the read brought
+        only the blank lines a client may send before a head (the parser skips them and
+        no head begins), after they stopped the keep-alive timer; left so, two bytes
+        would hold the connection open for good."""
+        cycle = self.cycle
+        return (
+            self.timeout_keep_alive_task is None
+            and (cycle is None or cycle.response_complete)
+            and not self.pipeline
+        )
 
     def _bad_request(self) -> None:
         message = "Invalid HTTP request received."
@@ -233,16 +268,16 @@ class EdgeProtocol(HttpToolsProtocol):
             self.transport.write(answer)
             self.transport.close()
             return
-        self._owed_400 = answer
+        self._owed = answer
         self.flow.pause_reading()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        owed = self._owed_400
+        owed = self._owed
         if owed is not None and not self.pipeline and (
             self.cycle is None or self.cycle.response_complete
         ):
-            self._owed_400 = None
+            self._owed = None
             if not self.transport.is_closing():
                 self.transport.write(owed)
                 self.transport.close()
@@ -282,7 +317,7 @@ class EdgeProtocol(HttpToolsProtocol):
             self._disarm()
         if self._declares_too_large_a_body():
             self._closed_at_head = True
-            self._refuse("body_too_large", _answer(
+            self._refuse_after("body_too_large", _answer(
                 body_too_large(self.edge.max_body_bytes), self.server_state.default_headers))
             return
         if self.parser.should_upgrade():
@@ -299,6 +334,7 @@ class EdgeProtocol(HttpToolsProtocol):
             self.cycle.__class__ = Http10Cycle if is_10 else EdgeCycle
 
     def on_body(self, body: bytes) -> None:
+        self._read_body += len(body)
         if self._refused is None and not self._closed_at_head:
             super().on_body(body)
 
@@ -393,6 +429,17 @@ class EdgeProtocol(HttpToolsProtocol):
         if answer:
             self.transport.write(answer)
         self.transport.close()
+
+    def _refuse_after(self, reason: str, answer: bytes) -> None:
+        """`_refuse`, once the answers to the requests pipelined ahead are out (written
+        now, the answer would land inside a streaming one): reading stops meanwhile."""
+        if (self.cycle is None or self.cycle.response_complete) and not self.pipeline:
+            self._refuse(reason, answer)
+            return
+        self.metrics.refused(reason)
+        self._disarm()
+        self._owed = answer
+        self.flow.pause_reading()
 
 
 class Http10Cycle(RequestResponseCycle):

@@ -321,9 +321,10 @@ class KVEventPublisher:
             self._pub.setsockopt(zmq.SNDHWM, hwm)
             self._replay: zmq.Socket[bytes] | None = None
             if replay_endpoint is not None:
+                # vLLM's replay ROUTER keeps ZMQ's default send bound (1,000 messages) and
+                # no ROUTER_MANDATORY: a long answer to a reader with a bounded queue
+                # loses messages, its end marker among them. So does this one.
                 self._replay = self._socket(zmq.ROUTER, sockets, replay_endpoint)
-                # One replay answer may be the whole buffer: room for all of it.
-                self._replay.setsockopt(zmq.SNDHWM, buffer_steps + 2)
             inproc = f"inproc://engine-sim-kv-events-{id(self)}"
             self._rx: zmq.Socket[bytes] = self._socket(zmq.PAIR, sockets, inproc)
             self._rx.setsockopt(zmq.RCVHWM, max_queued)

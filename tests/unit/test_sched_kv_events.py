@@ -93,6 +93,10 @@ class FakeEngine:
         self.seq = 0
         self.buffer: list[tuple[int, bytes]] = []
         self.replays: list[int] = []
+        #: The last seq a replay answer delivers (None: all), the rest and the end marker
+        #: lost, as when vLLM's replay ROUTER drops what its send bound cannot hold.
+        self.replay_upto: int | None = None
+        self.replay_pace_s = 0.0  # a pause before each replayed batch
         self._task: asyncio.Task[None] | None = None
 
     @property
@@ -129,10 +133,15 @@ class FakeEngine:
             begin = int.from_bytes(start, "big")
             self.replays.append(begin)
             for seq, data in self.buffer:
+                if self.replay_upto is not None and seq > self.replay_upto:
+                    break
                 if seq >= begin:
+                    if self.replay_pace_s:
+                        await asyncio.sleep(self.replay_pace_s)
                     await self.router.send_multipart([client, empty, seq.to_bytes(8, "big"),
                                                       data])
-            await self.router.send_multipart([client, empty, self.END_SEQ, b""])
+            else:
+                await self.router.send_multipart([client, empty, self.END_SEQ, b""])
 
     async def close(self) -> None:
         if self._task is not None:
@@ -520,6 +529,43 @@ async def test_joining_late_replays_from_the_start() -> None:
         await eventually(lambda: rig.stream.last_seq == 2)
         assert rig.blocks() == {2, 3}
         assert engine.replays == [0]
+    finally:
+        await rig.close()
+
+
+async def test_a_replay_on_join_that_stops_short_clears_the_pod() -> None:
+    """The join's replay delivers the first batch and loses the rest with its end marker:
+    the pod is cleared before the batch that came on the SUB socket is applied (block 1,
+    removed in a batch the replay lost, was reported held)."""
+    rig = Rig(join=True, replay_timeout=0.2)
+    rig.engine.replay_upto = 0
+    await rig.start()
+    try:
+        engine = rig.engine
+        await engine.publish(payload(stored(1, 2)), send=False)  # seq 0: before the router
+        await engine.publish(payload(removed(1)), send=False)  # seq 1: lost with the answer
+        await engine.publish(payload(stored(3)))  # seq 2
+        await eventually(lambda: rig.stream.last_seq == 2)
+        assert rig.blocks() == {3}
+        assert rig.metric("pdgate_kv_event_resyncs_total", how="clear") == 1
+    finally:
+        await rig.close()
+
+
+async def test_a_replay_longer_than_its_timeout_is_taken_whole() -> None:
+    """The replay timeout bounds the wait for each message, not the whole answer, which
+    takes longer to deliver and apply when it is long (it was cut off and the pod cleared)."""
+    rig = Rig(join=True, replay_timeout=0.2)
+    rig.engine.replay_pace_s = 0.02  # 30 batches: 0.6 s in all
+    await rig.start()
+    try:
+        engine = rig.engine
+        for block in range(1, 31):
+            await engine.publish(payload(stored(block)), send=False)
+        await engine.publish(payload(stored(31)))  # seq 30
+        await eventually(lambda: rig.stream.last_seq == 30)
+        assert rig.blocks() == set(range(1, 32))
+        assert rig.metric("pdgate_kv_event_resyncs_total", how="clear") == 0
     finally:
         await rig.close()
 

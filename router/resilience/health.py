@@ -78,10 +78,19 @@ class HealthChecker:
     async def readmit(self) -> None:
         """Probe every ejected pod whose backoff is over, and report the results."""
         due = self._detector.due()
-        if due:
+        if not due:
+            return
+        try:
             answers = await self._check_all(due)
+        except Exception:
+            # A probe failed in a way it does not report (a bug): the pods did not show
+            # they are healthy, so they wait out a longer backoff and are probed again
+            # (left marked as being probed, no later round would ever pick them).
             for pod in due:
-                self._detector.probe_result(pod, answers[pod.base_url])
+                self._detector.probe_result(pod, False)
+            raise
+        for pod in due:
+            self._detector.probe_result(pod, answers[pod.base_url])
 
     async def sweep(self) -> None:
         """Check every admitted pod once."""

@@ -212,6 +212,31 @@ async def test_the_readmission_loop_sleeps_until_a_pod_is_ejected() -> None:
             await task
 
 
+async def test_a_probe_that_raises_leaves_the_pod_to_be_probed_again() -> None:
+    """A probe fails with an error it does not report (a bug, say): the round fails, the
+    pod stays ejected and is probed again later, and readmitted when healthy (it was left
+    marked as being probed, and never probed again)."""
+    calls: list[str] = []
+
+    async def probe(url: str, timeout_s: float) -> bool:
+        calls.append(url)
+        if len(calls) == 1:
+            raise RuntimeError("the probe's client is closed")
+        return True
+
+    config = ResilienceConfig(base_ejection_s=0.0, health_interval_s=0)
+    detector = OutlierDetector(config)
+    checker = HealthChecker(config, ClusterView(), detector, probe)
+    pod = Endpoint("default", "p", "10.0.0.1", 8000, "both")
+    detector.eject(pod, "passive")
+    with pytest.raises(RuntimeError):
+        await checker.readmit()
+    assert detector.is_ejected(pod.key)
+    await checker.readmit()
+    assert calls == ["http://10.0.0.1:8000/health"] * 2
+    assert not detector.ejected
+
+
 async def test_the_ranks_of_a_data_parallel_pod_share_one_probe() -> None:
     """A pod running two ranks behind one API server is two targets and one /health."""
     from router.resources import parse_object

@@ -50,7 +50,7 @@ class SyncMetrics:
             child.set(0)
         self.message = {
             direction: self.messages.labels(direction=direction)
-            for direction in ("sent", "received", "dropped", "relayed")
+            for direction in ("sent", "received", "dropped", "relayed", "duplicate")
         }
         self.placement = {
             outcome: self.placements.labels(outcome=outcome)

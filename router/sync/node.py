@@ -67,8 +67,9 @@ import contextlib
 import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final, cast
 
 import zmq
@@ -97,6 +98,9 @@ RECV_HWM_FRAMES: Final = 10_000
 MAX_PENDING_MESSAGES: Final = 10_000
 #: Origins remembered (live or lost); the longest-lost are forgotten first.
 MAX_PEERS: Final = 1024
+#: A peer's latest sequenced frames remembered (by hash), to tell a frame that came
+#: twice (two paths to one peer) from the origin's restart.
+RECENT_FRAMES: Final = 16
 #: Frames read in one go before yielding to the event loop.
 MAX_FRAMES_PER_WAKEUP: Final = 256
 #: Sequence number of frames meant for this host's workers only (not counted for gaps).
@@ -116,6 +120,8 @@ class _Peer:
     seq: int
     last_heard: float
     live: bool = True
+    #: Hashes of its latest sequenced frames (`RECENT_FRAMES`).
+    recent: deque[int] = field(default_factory=lambda: deque(maxlen=RECENT_FRAMES))
 
 
 class SyncNode:
@@ -438,10 +444,14 @@ class SyncNode:
         now = self._clock()
         peer = self._peers.get(origin)
         if peer is None:
-            self._remember(origin, _Peer(seq, now))
+            peer = _Peer(seq, now)
+            self._remember(origin, peer)
             log.info("sync: peer %s joined", origin)
         else:
             if seq != UNSEQUENCED:
+                if hash(frame) in peer.recent:  # the same frame again, by another path
+                    self.metrics.message["duplicate"].inc()
+                    return None
                 if seq <= peer.seq:  # the origin restarted: what it said before is void
                     self._drop_state(origin)
                 elif seq > peer.seq + 1:
@@ -451,9 +461,16 @@ class SyncNode:
             if not peer.live:
                 peer.live = True
                 log.warning("sync: peer %s is back", origin)
+        if seq != UNSEQUENCED:
+            peer.recent.append(hash(frame))
         same_host = host_id == self.config.host_id
         for message in batch:
-            self._apply_one(origin, same_host, message, now)
+            try:
+                self._apply_one(origin, same_host, message, now)
+            except (IndexError, KeyError, TypeError, ValueError):
+                # A message of a shape this version does not know (a peer of another
+                # version during a rolling upgrade): dropped, the rest still applies.
+                self.metrics.message["dropped"].inc()
         self.metrics.message["received"].inc(len(batch))
         return seq
 
@@ -601,6 +618,8 @@ class SyncNode:
             for task in tasks:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
+            for origin in list(self._peers):  # heard no more: local state only
+                self._forget(origin)
             if self._backstop is not None:
                 self._backstop.cancel()
                 self._backstop = None

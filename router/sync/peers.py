@@ -42,9 +42,16 @@ def parse_peers(text: str) -> tuple[str, ...]:
 
 
 def slice_addresses(slices: list[dict[str, Any]], default_port: int, skip: str | None) -> set[str]:
-    """`host:port` of every ready endpoint of these EndpointSlices, but `skip`'s."""
+    """`host:port` of every ready endpoint of these EndpointSlices, but `skip`'s.
+
+    A dual-stack Service has a slice per address family, each naming every pod: only the
+    family of `skip` (this pod's address; IPv4 when unknown) is read, or each peer would
+    be connected twice, and this pod would connect to its own other address."""
+    family = "IPv6" if skip is not None and ":" in skip else "IPv4"
     out: set[str] = set()
     for item in slices:
+        if item.get("addressType", family) != family:
+            continue
         port = default_port
         for entry in item.get("ports") or []:
             if entry.get("name") == SYNC_PORT_NAME and entry.get("port"):
@@ -101,7 +108,13 @@ class PeerDiscovery:
         from router.sources.kube_api import default_namespace, make_api_client
 
         namespace = config.namespace or default_namespace(config.kubeconfig)
-        api_client = await make_api_client(config.kubeconfig)
+        api_client = None
+        while api_client is None:  # no client yet (no token, a bad kubeconfig): the
+            try:  # static peers and this host's workers sync meanwhile; try again later
+                api_client = await make_api_client(config.kubeconfig)
+            except Exception as exc:
+                log.warning("sync: no Kubernetes client to discover peers: %s", exc)
+                await asyncio.sleep(config.discovery_interval_s)
         try:
             from kubernetes_asyncio import client
 

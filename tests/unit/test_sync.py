@@ -430,6 +430,43 @@ def test_a_restarted_origin_starts_from_nothing(pair: tuple[Node, Node, Clock]) 
     assert two.inflight.get(POD_A) == 0
 
 
+def test_a_frame_received_twice_is_applied_once(pair: tuple[Node, Node, Clock]) -> None:
+    """Two paths to one peer (its address twice in the peer list) bring each frame twice:
+    the second is not taken for the origin's restart (which dropped all its counts)."""
+    one, two, _ = pair
+    one.inflight.acquire(POD_A)
+    one.inflight.acquire(POD_A)
+    one.inflight.acquire(POD_B)
+    one.node.heartbeat()
+    sent: list[bytes] = []
+    for _ in range(2):  # a heartbeat, then a frame with only B's change, each twice
+        one.node.flush()
+        for frame in one.frames:
+            two.node.apply(frame)
+            two.node.apply(frame)
+        sent += one.frames
+        one.frames.clear()
+        one.inflight.release(POD_B)
+    two.node.apply(sent[0])  # and the first once more, late: the slower path's copy
+    assert two.inflight.get(POD_A) == 2 and two.inflight.get(POD_B) == 0
+    assert two.registry.get_sample_value(
+        "pdgate_sync_messages_total", {"direction": "duplicate"}) == len(sent) + 1
+
+
+def test_a_message_of_an_unknown_shape_is_dropped_and_the_rest_applied(
+    pair: tuple[Node, Node, Clock],
+) -> None:
+    """A peer of another version sends a message this one cannot read: it is counted and
+    dropped, the frame's other messages apply (the exception ended the sync task)."""
+    _, two, _ = pair
+    frame = m.encode("p.0", "p", 1, [[m.INFLIGHT, "default/a"], [m.HEARTBEAT, ["x"]],
+                                     [m.INFLIGHT, POD_B.key, 3]])
+    assert two.node.apply(frame, from_peers=True)
+    assert two.inflight.get(POD_B) == 3
+    assert two.registry.get_sample_value(
+        "pdgate_sync_messages_total", {"direction": "dropped"}) == 2
+
+
 def test_frames_that_are_not_ours_are_counted_and_ignored(pair: tuple[Node, Node, Clock]) -> None:
     _, two, _ = pair
     assert not two.node.apply(b"\x00garbage")
@@ -446,6 +483,69 @@ def test_parse_peers_and_slices() -> None:
         {"addresses": ["10.0.0.3"]},
     ]}]
     assert slice_addresses(slices, 8090, skip="10.0.0.3") == {"10.0.0.1:9000"}
+    # A dual-stack Service: a slice per address family, each naming every pod; only this
+    # pod's family is read (both made two connections to each peer, one to itself).
+    dual = [
+        {"addressType": family, "ports": [{"name": "sync", "port": 8090}],
+         "endpoints": [{"addresses": [a]}, {"addresses": [b]}]}
+        for family, a, b in (("IPv4", "10.0.0.2", "10.0.0.3"), ("IPv6", "fd00::2", "fd00::3"))
+    ]
+    assert slice_addresses(dual, 8090, skip="10.0.0.2") == {"10.0.0.3:8090"}
+    assert slice_addresses(dual, 8090, skip="fd00::2") == {"fd00::3:8090"}
+
+
+async def test_discovery_without_a_kubernetes_client_keeps_the_static_peers_and_retries(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No client can be made (no service-account token, a bad kubeconfig): discovery
+    keeps the static peers and tries again, instead of ending the sync task with it."""
+    import zmq
+
+    from router.sources import kube_api
+    from router.sync.peers import PeerDiscovery
+
+    attempts: list[str | None] = []
+
+    async def no_client(kubeconfig: str | None) -> object:
+        attempts.append(kubeconfig)
+        raise RuntimeError("no service-account token")
+
+    monkeypatch.setattr(kube_api, "make_api_client", no_client)
+    monkeypatch.setattr(kube_api, "default_namespace", lambda kubeconfig: "default")
+    context = zmq.Context()
+    sub = context.socket(zmq.SUB)
+    try:
+        config = SyncConfig(host_id="h", sync_port=18099, peers=("127.0.0.1:18098",),
+                            peer_service="pdgate-peers", discovery_interval_s=0.01)
+        discovery = PeerDiscovery(config, sub)
+        task = asyncio.create_task(discovery.run())
+        await asyncio.sleep(0.1)
+        assert not task.done()  # still trying
+        assert len(attempts) >= 2
+        assert discovery.connected == {"127.0.0.1:18098"}
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    finally:
+        sub.close(0)
+        context.term()
+
+
+async def test_a_sync_task_that_fails_is_started_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The state sync's task is kept running: a failure is logged and it starts again
+    (it ended for good, leaving peers live and their counts on the pods)."""
+    from router import state
+
+    monkeypatch.setattr(state, "RESTART_DELAY_S", 0.001)
+    runs: list[int] = []
+
+    async def run() -> None:
+        runs.append(len(runs))
+        if len(runs) < 3:
+            raise RuntimeError("discovery failed")
+
+    await asyncio.wait_for(state._kept_running("state sync", run), 5)
+    assert runs == [0, 1, 2]
 
 
 def test_worker_counts(tmp_path: Path) -> None:

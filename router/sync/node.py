@@ -101,6 +101,9 @@ MAX_PEERS: Final = 1024
 #: A peer's latest sequenced frames remembered (by hash), to tell a frame that came
 #: twice (two paths to one peer) from the origin's restart.
 RECENT_FRAMES: Final = 16
+#: Pods a heartbeat message names itself; the rest follow it as in-flight messages, so
+#: that no single message outgrows a frame (`MAX_FRAME_BYTES`: some 1,200 pods' counts).
+HEARTBEAT_PODS: Final = 256
 #: Frames read in one go before yielding to the event loop.
 MAX_FRAMES_PER_WAKEUP: Final = 256
 #: Sequence number of frames meant for this host's workers only (not counted for gaps).
@@ -367,7 +370,17 @@ class SyncNode:
         counts = self.inflight.local_counts()
         wait, now = self.backlog.own_wait_s, self._clock()
         backlogs = {key: left for key in counts if (left := wait(key, now)) > 0.0}
-        self._queue(self._pending, (m.HEARTBEAT, counts, backlogs))
+        if len(counts) <= HEARTBEAT_PODS:
+            self._queue(self._pending, (m.HEARTBEAT, counts, backlogs))
+            return
+        # Too many pods for one message: the heartbeat names the first ones (and zeroes
+        # the rest at the receiver), the messages after it in the same batch set the rest.
+        keys = list(counts)
+        named = {key: counts[key] for key in keys[:HEARTBEAT_PODS]}
+        self._queue(self._pending, (m.HEARTBEAT, named,
+                                    {k: v for k, v in backlogs.items() if k in named}))
+        for key in keys[HEARTBEAT_PODS:]:
+            self._queue(self._pending, (m.INFLIGHT, key, counts[key], backlogs.get(key, 0.0)))
 
     # -- what the others changed ----------------------------------------------------------
 

@@ -420,6 +420,32 @@ def test_a_batch_too_large_for_one_frame_goes_as_several(
     assert dropped == 0  # consecutive sequence numbers: no gap seen
 
 
+def test_a_heartbeat_over_many_pods_still_reaches_the_peer(
+    pair: tuple[Node, Node, Clock],
+) -> None:
+    """A process with requests on 2,000 pods: its heartbeat, too large for one frame as
+    one message, goes as several and the peer sees every count (it was dropped every
+    time, so a lost count was never repaired)."""
+    one, two, _ = pair
+    pods = [_endpoint(f"deepseek-v3-pd-{i}-decode-7f9c8b6d5-x2k4q") for i in range(2000)]
+    for pod in pods:
+        one.inflight.acquire(pod)
+    one.node.flush()
+    one.frames.clear()  # the counts' own messages lost: only the heartbeat can tell
+    one.node.heartbeat()
+    one.deliver_to(two)
+    assert all(two.inflight.get(pod) == 1 for pod in pods)
+    for pod in pods[:1000]:
+        one.inflight.release(pod)
+    one.node.flush()
+    one.frames.clear()  # lost again
+    one.node.heartbeat()
+    one.deliver_to(two)
+    assert sum(two.inflight.get(pod) for pod in pods) == 1000
+    assert not one.registry.get_sample_value(
+        "pdgate_sync_messages_total", {"direction": "dropped"})
+
+
 def test_a_restarted_origin_starts_from_nothing(pair: tuple[Node, Node, Clock]) -> None:
     one, two, clock = pair
     one.inflight.acquire(POD_A)

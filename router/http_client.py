@@ -149,7 +149,7 @@ class Response:
         if conn.response is self:
             conn.response = None
             reuse = self._complete and conn.keep_alive
-            if reuse:
+            if reuse and conn._paused:
                 conn.resume()  # a hold on the body's last read, or its bytes left unread
             conn.pool.done(conn, reuse=reuse)
 

@@ -197,10 +197,6 @@ class EdgeProtocol(HttpToolsProtocol):
             if type(cycle) is EdgeCycle and cycle.disconnected:
                 cycle.client_left()
 
-    def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
-        self._running = cycle
-        super()._start_asgi_task(cycle, app)
-
     def _should_upgrade(self) -> bool:
         return False  # no WebSocket, no h2c: every request is answered in HTTP/1.1
 
@@ -235,22 +231,17 @@ class EdgeProtocol(HttpToolsProtocol):
                     self._refuse_after("header_too_large", _answer(headers_too_large(
                         f"Request head exceeds {self.edge.max_head_bytes} bytes.")))
                     return
-            if self._timer is None and (self._head_started or self._idle_untimed()):
+            # A head begun, or only blank lines (which a client may send before a head;
+            # the parser skips them and no head begins) on an idle connection whose
+            # keep-alive timer they stopped: left so, two bytes held it open for good.
+            if self._timer is None and (self._head_started or (
+                self.timeout_keep_alive_task is None
+                and (self.cycle is None or self.cycle.response_complete)
+                and not self.pipeline
+            )):
                 self._arm("header_timeout", self.edge.header_timeout_s)
         elif self._timer is None:
             self._arm("body_timeout", self.edge.body_timeout_s)
-
-    def _idle_untimed(self) -> bool:
-        """Whether nothing runs and no timer watches the connection: the read brought
-        only the blank lines a client may send before a head (the parser skips them and
-        no head begins), after they stopped the keep-alive timer; left so, two bytes
-        would hold the connection open for good."""
-        cycle = self.cycle
-        return (
-            self.timeout_keep_alive_task is None
-            and (cycle is None or cycle.response_complete)
-            and not self.pipeline
-        )
 
     def _bad_request(self) -> None:
         message = "Invalid HTTP request received."
@@ -272,6 +263,8 @@ class EdgeProtocol(HttpToolsProtocol):
         self.flow.pause_reading()
 
     def on_response_complete(self) -> None:
+        if self.pipeline:  # the oldest queued request runs next
+            self._running = self.pipeline[-1][0]
         super().on_response_complete()
         owed = self._owed
         if owed is not None and not self.pipeline and (
@@ -329,6 +322,8 @@ class EdgeProtocol(HttpToolsProtocol):
                 self._refused = (error, time.perf_counter())
                 return  # no scope, no cycle, no task: see `on_message_complete`
         super().on_headers_complete()
+        if not self.pipeline:  # not queued behind another: it runs
+            self._running = self.cycle
         if self.cycle.scope is self.scope:  # before its task first runs:
             is_10 = self.scope["http_version"] == "1.0"
             self.cycle.__class__ = Http10Cycle if is_10 else EdgeCycle

@@ -18,9 +18,9 @@ connection and never per chunk:
 - **Read timeouts.** The head must arrive within `header_timeout_s` (from accept, or from
   its first byte on a kept-alive connection), the body within `body_timeout_s` of the
   head; then 408 and close. Between requests uvicorn's keep-alive timer closes a
-  connection idle for `idle_timeout_s`; blank lines, which a client may send before a
-  head and which begin none, start the head's clock instead. The timers run only while
-  a read is incomplete: a request that arrives in one read arms none.
+  connection idle for `idle_timeout_s` (started again by blank lines, which a client may
+  send before a head and which begin none). The timers run only while a read is
+  incomplete: a request that arrives in one read arms none.
 - **A declared body past the bound.** A head whose Content-Length exceeds
   `max_body_bytes` gets a 413 at once and the connection is closed (its body is never
   read; a client that sent `Expect: 100-continue` is answered instead of invited).
@@ -203,6 +203,8 @@ class EdgeProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self.parser is None or self.transport.is_closing():
             return  # refused or closed: nothing more is read
+        if self._owed is not None:
+            return  # closing once the answers ahead are out: nothing more is parsed
         self._unset_keepalive_if_required()
         size = len(data)
         self._read_body = 0
@@ -221,7 +223,7 @@ class EdgeProtocol(HttpToolsProtocol):
                 self._bad_request()
                 return
             break
-        if self.transport.is_closing():
+        if self.transport.is_closing() or self._owed is not None:
             return
         if self._in_head:
             if self._head_started:  # the read may end an earlier request's body too
@@ -231,15 +233,19 @@ class EdgeProtocol(HttpToolsProtocol):
                     self._refuse_after("header_too_large", _answer(headers_too_large(
                         f"Request head exceeds {self.edge.max_head_bytes} bytes.")))
                     return
-            # A head begun, or only blank lines (which a client may send before a head;
-            # the parser skips them and no head begins) on an idle connection whose
-            # keep-alive timer they stopped: left so, two bytes held it open for good.
-            if self._timer is None and (self._head_started or (
-                self.timeout_keep_alive_task is None
-                and (self.cycle is None or self.cycle.response_complete)
-                and not self.pipeline
-            )):
-                self._arm("header_timeout", self.edge.header_timeout_s)
+            if self._head_started:
+                if self._timer is None:
+                    self._arm("header_timeout", self.edge.header_timeout_s)
+            elif (self.timeout_keep_alive_task is None
+                  and (self.cycle is None or self.cycle.response_complete)
+                  and not self.pipeline):
+                # Only blank lines, which a client may send before a head (the parser
+                # skips them and no head begins), on an idle connection whose keep-alive
+                # timer they stopped: it runs again (left off, two bytes held the
+                # connection open for good).
+                self.timeout_keep_alive_task = self.loop.call_later(
+                    self.timeout_keep_alive, self.timeout_keep_alive_handler
+                )
         elif self._timer is None:
             self._arm("body_timeout", self.edge.body_timeout_s)
 

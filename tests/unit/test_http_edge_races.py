@@ -61,9 +61,11 @@ def post(path: str, declared: int | None = None) -> bytes:
 
 
 class Streams:
-    """An app streaming six events 0.1 s apart per request, noting how each one ends."""
+    """An app streaming `count` events 0.1 s apart per request (then [DONE]), noting how
+    each one ends; it stops early when told its client left."""
 
-    def __init__(self) -> None:
+    def __init__(self, count: int = 6) -> None:
+        self.count = count
         self.events: list[tuple[str, str]] = []
         self.ended: dict[str, asyncio.Event] = {}
 
@@ -80,7 +82,9 @@ class Streams:
         cycle.on_disconnect = lambda: self.events.append(("client left", path))
         await out.start(200, [(b"content-type", b"text/event-stream")])
         try:
-            for i in range(6):
+            for i in range(self.count):
+                if cycle.disconnected:
+                    return
                 await out.body(b"data: %d\n\n" % i, more=True)
                 await asyncio.sleep(0.1)
             await out.body(b"data: [DONE]\n\n")
@@ -162,9 +166,11 @@ async def test_a_stream_ends_at_its_deadline_though_its_client_stopped_reading(
     await asyncio.wait_for(over.wait(), 3)
     assert ended[0] < 1.0
     writer.transport.resume_reading()  # type: ignore[attr-defined]
-    tail = await reader.read(1 << 20)  # the client reads again: its stream's ending is there
+    tail = b""  # the client reads again: its stream's ending is there
     while b"0\r\n\r\n" not in tail:
-        tail += await asyncio.wait_for(reader.read(1 << 20), 3)
+        block = await asyncio.wait_for(reader.read(1 << 20), 3)
+        assert block, "the connection closed before the stream's ending"
+        tail += block
     assert b"event: error" in tail or b'"error"' in tail
     writer.close()
 
@@ -174,21 +180,23 @@ async def test_a_stream_ends_at_its_deadline_though_its_client_stopped_reading(
 
 async def test_blank_lines_after_an_answer_do_not_stop_the_idle_clock(edges: Edges) -> None:
     """A kept-alive connection that sends only CRLF after its answer is closed like an
-    idle one (the bytes stopped the keep-alive timer and began no head, which left no
-    timer at all: two bytes held a connection open for good)."""
+    idle one, after the idle timeout (the bytes stopped the keep-alive timer and began no
+    head, which left no timer at all: two bytes held a connection open for good)."""
 
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "http":
             await answer_json(send)
 
-    port = await edges.serve(app, idle_timeout_s=0.5, header_timeout_s=0.5)
+    port = await edges.serve(app, idle_timeout_s=0.6, header_timeout_s=0.1)
     for extra in (b"", b"\r\n"):
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(post("/x"))
         raw = await reader.readuntil(b"{}")
         assert answers(raw).statuses == [200]
         writer.write(extra)
-        assert await asyncio.wait_for(reader.read(1), 3) == b""  # closed by the router
+        began = time.monotonic()
+        assert await asyncio.wait_for(reader.read(1), 5) == b""  # closed by the router
+        assert time.monotonic() - began > 0.3  # as idle, not as a head that is late
         writer.close()
 
 
@@ -199,18 +207,25 @@ async def test_blank_lines_after_an_answer_do_not_stop_the_idle_clock(edges: Edg
     (post("/big", declared=10**6), 413),
     (b"POST /big HTTP/1.1\r\nx-big: " + b"y" * 3000, 431),
 ], ids=["body past the bound", "head past the bound"])
+@pytest.mark.parametrize("together", [False, True], ids=["later", "in the same write"])
 async def test_a_refusal_pipelined_behind_a_stream_follows_it(
-    edges: Edges, second: bytes, status: int
+    edges: Edges, second: bytes, status: int, together: bool
 ) -> None:
     """A request refused from its head (body declared past the bound, or a head past
-    its bound) arrives while the stream ahead of it runs: the stream ends whole, then the
-    refusal is answered and the connection closed (it was written into the stream)."""
+    its bound) arrives while the stream ahead of it runs, or with it: the stream ends
+    whole, then the refusal is answered and the connection closed (it was written into
+    the stream; then, deferred, a read timer armed after it cut the stream silently once
+    the stream outlived the body timeout, and the refusal never went out)."""
     streams = Streams()
-    port = await edges.serve(streams, max_body_bytes=1000, max_head_bytes=2000)
+    port = await edges.serve(streams, max_body_bytes=1000, max_head_bytes=2000,
+                             body_timeout_s=0.3, header_timeout_s=0.3)
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(post("/a"))
-    await asyncio.sleep(0.15)
-    writer.write(second)
+    if together:
+        writer.write(post("/a") + second)
+    else:
+        writer.write(post("/a"))
+        await asyncio.sleep(0.15)
+        writer.write(second)
     parsed = answers(await read_until_closed(reader))
     assert parsed.statuses == [200, status]
     assert parsed.bodies[0].endswith(b"data: [DONE]\n\n") and parsed.bodies[0].count(b"data:") == 7
@@ -259,7 +274,7 @@ async def test_a_client_gone_with_a_request_queued_stops_the_stream_ahead(
 ) -> None:
     """The client pipelines a second request behind a stream, then goes: the running
     stream learns it (only the queued one did; the stream ran to its end for nobody)."""
-    streams = Streams()
+    streams = Streams(count=50)  # 5 s, unless it learns its client left
     port = await edges.serve(streams)
     _, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(post("/a"))
@@ -267,6 +282,6 @@ async def test_a_client_gone_with_a_request_queued_stops_the_stream_ahead(
     writer.write(post("/b"))
     await asyncio.sleep(0.1)
     writer.transport.abort()
-    await asyncio.wait_for(streams.ended["/a"].wait(), 3)  # its six events take 0.6 s
+    await asyncio.wait_for(streams.ended["/a"].wait(), 10)
     assert ("client left", "/a") in streams.events
     assert ("ended", "/b") not in streams.events  # never started

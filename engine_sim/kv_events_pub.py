@@ -30,7 +30,9 @@ the releases before, which router decoders were first written against:
 - a ZMQ ROUTER replay socket on `--kv-events-replay-port` (default 5558) keeps the last
   `buffer_steps` batches: a client sends `[b"", start seq (8 bytes big-endian)]` and gets
   `[b"", seq, payload]` for every buffered batch with seq >= start, then
-  `[b"", -1 (8 bytes, signed), b""]` (vLLM's `_service_replay`).
+  `[b"", -1 (8 bytes, signed), b""]` (vLLM's `_service_replay`), sent at once with ZMQ's
+  default send bound as vLLM's are: what a slow reader leaves past it is lost, end
+  marker included.
 
 Data parallelism (`--data-parallel-size N`): rank r is an engine of its own with its own
 publisher on the events port + r and the replay port + r (vLLM's

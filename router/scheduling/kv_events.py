@@ -122,6 +122,9 @@ ENABLE_ANNOTATION: Final = "pdgate.io/kv-events"
 SUB_RCVHWM: Final = 100_000
 #: Bound on the batches accepted from one replay answer.
 MAX_REPLAY_BATCHES: Final = 100_000
+#: Replayed batches applied between two turns of the event loop: a queued answer is
+#: read without waiting, so a long one (10,000 batches: about 0.9 s) held the loop.
+REPLAY_BATCHES_PER_TURN: Final = 64
 END_SEQ: Final = -1
 MAX_PORT: Final = 65535
 
@@ -270,7 +273,8 @@ class PodEventStream:
             self._replay = self._context.socket(zmq.DEALER)
             self._replay.setsockopt(zmq.LINGER, 0)
             # vLLM's replay ROUTER sends its whole buffer (10,000 batches) at once with
-            # the default send bound and drops what does not fit: this side takes it all.
+            # the default send bound and drops what does not fit: this side's bound is
+            # not what loses them (a loss still ends the replay short: the pod is cleared).
             self._replay.setsockopt(zmq.RCVHWM, 0)
             self._replay.connect(endpoint)
         sock = self._replay
@@ -278,9 +282,11 @@ class PodEventStream:
         begin = self.last_seq if self.last_seq is not None else -1
         try:
             await sock.send_multipart([b"", start.to_bytes(8, "big")])
-            for _ in range(MAX_REPLAY_BATCHES):
+            for count in range(MAX_REPLAY_BATCHES):
                 # The wait bounds each message, not the answer: a long replay takes
                 # longer to apply than to send (10,000 batches of 60 blocks: 0.9 s).
+                if count % REPLAY_BATCHES_PER_TURN == REPLAY_BATCHES_PER_TURN - 1:
+                    await asyncio.sleep(0)  # requests go on while it is applied
                 async with asyncio.timeout(wait_s):
                     frames = await sock.recv_multipart()
                 if len(frames) != 3:

@@ -693,7 +693,7 @@ async def _finish_prefill(task: asyncio.Task[Any]) -> None:
     the prefill's and swallowed it)."""
     if not task.done():
         task.cancel()
-    await asyncio.wait({task})
+        await asyncio.wait({task})  # not when done already: no extra turn of the loop
     failure = None if task.cancelled() else task.exception()
     if failure is not None and not isinstance(failure, UpstreamError):
         raise failure

@@ -101,9 +101,10 @@ MAX_PEERS: Final = 1024
 #: A peer's latest sequenced frames remembered (by hash), to tell a frame that came
 #: twice (two paths to one peer) from the origin's restart.
 RECENT_FRAMES: Final = 16
-#: Pods a heartbeat message names itself; the rest follow it as in-flight messages, so
-#: that no single message outgrows a frame (`MAX_FRAME_BYTES`: some 1,200 pods' counts).
-HEARTBEAT_PODS: Final = 256
+#: Bytes of pod keys a heartbeat message names itself (with each key's count and
+#: backlog, under half a frame, `MAX_FRAME_BYTES`); the rest of its pods follow it as
+#: in-flight messages, so that no single message outgrows a frame.
+HEARTBEAT_KEY_BYTES: Final = 16 * 1024
 #: Frames read in one go before yielding to the event loop.
 MAX_FRAMES_PER_WAKEUP: Final = 256
 #: Sequence number of frames meant for this host's workers only (not counted for gaps).
@@ -158,6 +159,7 @@ class SyncNode:
         self.metrics.info.labels(origin=self.origin).set(1)
         self._clock = clock
         self._peers: dict[str, _Peer] = {}
+        self._unread_warned = False  # a message that could not be applied was logged
         self._endpoints: dict[str, Endpoint] = {}
         self._pending: list[m.Message] = []
         self._pending_inflight: dict[str, int] = {}
@@ -370,16 +372,22 @@ class SyncNode:
         counts = self.inflight.local_counts()
         wait, now = self.backlog.own_wait_s, self._clock()
         backlogs = {key: left for key in counts if (left := wait(key, now)) > 0.0}
-        if len(counts) <= HEARTBEAT_PODS:
+        keys = list(counts)
+        size, named = 0, len(keys)
+        for index, key in enumerate(keys):
+            size += len(key) + 24  # a key, its count and its backlog, encoded
+            if size > HEARTBEAT_KEY_BYTES:
+                named = index
+                break
+        if named == len(keys):
             self._queue(self._pending, (m.HEARTBEAT, counts, backlogs))
             return
         # Too many pods for one message: the heartbeat names the first ones (and zeroes
         # the rest at the receiver), the messages after it in the same batch set the rest.
-        keys = list(counts)
-        named = {key: counts[key] for key in keys[:HEARTBEAT_PODS]}
-        self._queue(self._pending, (m.HEARTBEAT, named,
-                                    {k: v for k, v in backlogs.items() if k in named}))
-        for key in keys[HEARTBEAT_PODS:]:
+        first = {key: counts[key] for key in keys[:named]}
+        self._queue(self._pending, (m.HEARTBEAT, first,
+                                    {k: v for k, v in backlogs.items() if k in first}))
+        for key in keys[named:]:
             self._queue(self._pending, (m.INFLIGHT, key, counts[key], backlogs.get(key, 0.0)))
 
     # -- what the others changed ----------------------------------------------------------
@@ -461,10 +469,10 @@ class SyncNode:
             self._remember(origin, peer)
             log.info("sync: peer %s joined", origin)
         else:
+            if (seq != UNSEQUENCED or from_peers) and hash(frame) in peer.recent:
+                self.metrics.message["duplicate"].inc()  # the same frame by another path
+                return None
             if seq != UNSEQUENCED:
-                if hash(frame) in peer.recent:  # the same frame again, by another path
-                    self.metrics.message["duplicate"].inc()
-                    return None
                 if seq <= peer.seq:  # the origin restarted: what it said before is void
                     self._drop_state(origin)
                 elif seq > peer.seq + 1:
@@ -474,17 +482,26 @@ class SyncNode:
             if not peer.live:
                 peer.live = True
                 log.warning("sync: peer %s is back", origin)
-        if seq != UNSEQUENCED:
+        if seq != UNSEQUENCED or from_peers:
             peer.recent.append(hash(frame))
         same_host = host_id == self.config.host_id
+        unread = 0
         for message in batch:
             try:
                 self._apply_one(origin, same_host, message, now)
             except (IndexError, KeyError, TypeError, ValueError):
                 # A message of a shape this version does not know (a peer of another
                 # version during a rolling upgrade): dropped, the rest still applies.
-                self.metrics.message["dropped"].inc()
-        self.metrics.message["received"].inc(len(batch))
+                unread += 1
+                log.debug("sync: a message from %s not applied", origin, exc_info=True)
+                if not self._unread_warned:
+                    self._unread_warned = True
+                    log.warning("sync: a message from %s could not be applied (a peer of "
+                                "another version?); such messages are dropped and counted",
+                                origin, exc_info=True)
+        if unread:
+            self.metrics.message["dropped"].inc(unread)
+        self.metrics.message["received"].inc(len(batch) - unread)
         return seq
 
     def _apply_one(self, origin: str, same_host: bool, message: list[Any], now: float) -> None:

@@ -45,12 +45,12 @@ def slice_addresses(slices: list[dict[str, Any]], default_port: int, skip: str |
     """`host:port` of every ready endpoint of these EndpointSlices, but `skip`'s.
 
     A dual-stack Service has a slice per address family, each naming every pod: only the
-    family of `skip` (this pod's address; IPv4 when unknown) is read, or each peer would
-    be connected twice, and this pod would connect to its own other address."""
-    family = "IPv6" if skip is not None and ":" in skip else "IPv4"
+    family of `skip` (this pod's address) is read, or each peer would be connected twice,
+    and this pod would connect to its own other address. Without `skip`, every family."""
+    family = None if skip is None else "IPv6" if ":" in skip else "IPv4"
     out: set[str] = set()
     for item in slices:
-        if item.get("addressType", family) != family:
+        if family is not None and item.get("addressType", family) != family:
             continue
         port = default_port
         for entry in item.get("ports") or []:

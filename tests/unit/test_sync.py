@@ -479,6 +479,21 @@ def test_a_frame_received_twice_is_applied_once(pair: tuple[Node, Node, Clock]) 
         "pdgate_sync_messages_total", {"direction": "duplicate"}) == len(sent) + 1
 
 
+def test_a_placement_from_a_peer_received_twice_is_applied_once(
+    pair: tuple[Node, Node, Clock],
+) -> None:
+    """Unsequenced frames from peer replicas (placements) that come by two paths are
+    recognised too (the leader placed the prompt twice)."""
+    _, two, _ = pair
+    first = m.encode("p.0", "p", 1, [[m.INFLIGHT, POD_A.key, 1]])
+    assert two.node.apply(first, from_peers=True)
+    frame = m.encode("p.0", "p", 0, [[m.INFLIGHT, POD_B.key, 2]])  # unsequenced
+    assert two.node.apply(frame, from_peers=True)
+    assert not two.node.apply(frame, from_peers=True)
+    assert two.registry.get_sample_value(
+        "pdgate_sync_messages_total", {"direction": "duplicate"}) == 1
+
+
 def test_a_message_of_an_unknown_shape_is_dropped_and_the_rest_applied(
     pair: tuple[Node, Node, Clock],
 ) -> None:
@@ -491,6 +506,8 @@ def test_a_message_of_an_unknown_shape_is_dropped_and_the_rest_applied(
     assert two.inflight.get(POD_B) == 3
     assert two.registry.get_sample_value(
         "pdgate_sync_messages_total", {"direction": "dropped"}) == 2
+    assert two.registry.get_sample_value(
+        "pdgate_sync_messages_total", {"direction": "received"}) == 1
 
 
 def test_frames_that_are_not_ours_are_counted_and_ignored(pair: tuple[Node, Node, Clock]) -> None:
@@ -518,6 +535,7 @@ def test_parse_peers_and_slices() -> None:
     ]
     assert slice_addresses(dual, 8090, skip="10.0.0.2") == {"10.0.0.3:8090"}
     assert slice_addresses(dual, 8090, skip="fd00::2") == {"fd00::3:8090"}
+    assert len(slice_addresses(dual, 8090, skip=None)) == 4  # this pod's family unknown
 
 
 async def test_discovery_without_a_kubernetes_client_keeps_the_static_peers_and_retries(

@@ -210,7 +210,8 @@ class SchedulerMetrics:
         self.prefill_fit = Gauge(
             "pdgate_scheduler_prefill_fit",
             "Per ModelServer prefill curve a + b*x + c*x^2 (x: uncached tokens), its "
-            "samples and running mean relative prediction error.",
+            "samples, running mean prediction error (error_seconds) and that over the "
+            "running mean duration (error_ratio).",
             ["server", "term"], registry=registry,
         )
         self.config_reloads = Counter(

@@ -233,7 +233,6 @@ class EdgeProtocol(HttpToolsProtocol):
                     self._refuse_after("header_too_large", _answer(headers_too_large(
                         f"Request head exceeds {self.edge.max_head_bytes} bytes.")))
                     return
-            if self._head_started:
                 if self._timer is None:
                     self._arm("header_timeout", self.edge.header_timeout_s)
             elif (self.timeout_keep_alive_task is None

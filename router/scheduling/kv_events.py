@@ -231,12 +231,8 @@ class PodEventStream:
         if last is None:
             if seq > 0 and self._settings.replay_on_join and self.target.replay_endpoint:
                 self.last_seq = -1
-                await self._replay_from(0, seq)
-                got = self.last_seq
-                if got is not None and got >= seq:
-                    return
-                if got is not None and got + 1 < seq:
-                    self._clear("clear")  # a partial replay: what it missed may remove
+                await self._replay_then(0, seq, payload)
+                return
             self._apply(payload)
             self.last_seq = seq
             return
@@ -247,20 +243,27 @@ class PodEventStream:
         if seq > last + 1:
             self._metrics.kv_event_gaps.inc()
             log.info("kv events from %s: gap %d..%d", self.target.key, last + 1, seq - 1)
-            await self._replay_from(last + 1, seq)
-            last = self.last_seq if self.last_seq is not None else last
-            if seq <= last:
-                return  # the replay already delivered it
-            if last + 1 < seq:
-                self._clear("clear")  # replay could not fill the gap
-            self._apply(payload)
-            self.last_seq = seq
+            await self._replay_then(last + 1, seq, payload)
             return
         if self._dup_from <= seq <= self._dup_upto:
             return  # a batch the replay already delivered, arriving on the SUB socket
         log.info("kv events from %s: sequence went back to %d: engine restart",
                  self.target.key, seq)
         self._clear("restart")
+        self._apply(payload)
+        self.last_seq = seq
+
+    async def _replay_then(self, start: int, seq: int, payload: bytes) -> None:
+        """Replay from `start`, then apply batch `seq` (`payload`) unless the replay
+        delivered it; a replay that ended short of it clears the pod first (the batches
+        it missed may remove blocks). A replay on join that delivered nothing leaves
+        nothing to clear: the pod has nothing indexed yet."""
+        await self._replay_from(start, seq)
+        got = self.last_seq
+        if got is not None and got >= seq:
+            return  # the replay already delivered it
+        if got is not None and got + 1 < seq:
+            self._clear("clear")
         self._apply(payload)
         self.last_seq = seq
 

@@ -237,7 +237,7 @@ class EdgeProtocol(HttpToolsProtocol):
                     self._arm("header_timeout", self.edge.header_timeout_s)
             elif (self.timeout_keep_alive_task is None
                   and (self.cycle is None or self.cycle.response_complete)
-                  and not self.pipeline):
+                  and not self.pipeline):  # `_nothing_ahead()`, inlined (every request)
                 # Only blank lines, which a client may send before a head (the parser
                 # skips them and no head begins), on an idle connection whose keep-alive
                 # timer they stopped: it runs again (left off, two bytes held the
@@ -258,23 +258,30 @@ class EdgeProtocol(HttpToolsProtocol):
         is plain text), then the connection closes. Answers still owed on the connection
         go first: a malformed request pipelined behind a valid one no longer cancels it
         (reading stops; `on_response_complete` writes this once they are out)."""
-        answer = _answer(bad_request(msg, code="invalid_http_request"),
-                         self.server_state.default_headers)
-        if (self.cycle is None or self.cycle.response_complete) and not self.pipeline:
+        self._close_after(_answer(bad_request(msg, code="invalid_http_request"),
+                                  self.server_state.default_headers))
+
+    def _close_after(self, answer: bytes) -> None:
+        """Write `answer` and close, once the answers to the requests ahead of it on the
+        connection are out (written now, it would land inside a streaming one): until
+        then it is owed, and nothing more is read or parsed."""
+        if self._nothing_ahead():
             self.transport.write(answer)
             self.transport.close()
             return
         self._owed = answer
         self.flow.pause_reading()
 
+    def _nothing_ahead(self) -> bool:
+        """No response runs or waits to run on the connection."""
+        return (self.cycle is None or self.cycle.response_complete) and not self.pipeline
+
     def on_response_complete(self) -> None:
         if self.pipeline:  # the oldest queued request runs next
             self._running = self.pipeline[-1][0]
         super().on_response_complete()
         owed = self._owed
-        if owed is not None and not self.pipeline and (
-            self.cycle is None or self.cycle.response_complete
-        ):
+        if owed is not None and self._nothing_ahead():
             self._owed = None
             if not self.transport.is_closing():
                 self.transport.write(owed)
@@ -431,15 +438,10 @@ class EdgeProtocol(HttpToolsProtocol):
         self.transport.close()
 
     def _refuse_after(self, reason: str, answer: bytes) -> None:
-        """`_refuse`, once the answers to the requests pipelined ahead are out (written
-        now, the answer would land inside a streaming one): reading stops meanwhile."""
-        if (self.cycle is None or self.cycle.response_complete) and not self.pipeline:
-            self._refuse(reason, answer)
-            return
+        """`_refuse`, once the answers to the requests pipelined ahead are out."""
         self.metrics.refused(reason)
         self._disarm()
-        self._owed = answer
-        self.flow.pause_reading()
+        self._close_after(answer)
 
 
 class Http10Cycle(RequestResponseCycle):

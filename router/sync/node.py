@@ -463,13 +463,15 @@ class SyncNode:
         if origin == self.origin or (from_peers and host_id == self.config.host_id):
             return None
         now = self._clock()
+        # Frames that may come by two paths: sequenced ones, and any from peer replicas.
+        digest = hash(frame) if seq != UNSEQUENCED or from_peers else None
         peer = self._peers.get(origin)
         if peer is None:
             peer = _Peer(seq, now)
             self._remember(origin, peer)
             log.info("sync: peer %s joined", origin)
         else:
-            if (seq != UNSEQUENCED or from_peers) and hash(frame) in peer.recent:
+            if digest is not None and digest in peer.recent:
                 self.metrics.message["duplicate"].inc()  # the same frame by another path
                 return None
             if seq != UNSEQUENCED:
@@ -482,8 +484,8 @@ class SyncNode:
             if not peer.live:
                 peer.live = True
                 log.warning("sync: peer %s is back", origin)
-        if seq != UNSEQUENCED or from_peers:
-            peer.recent.append(hash(frame))
+        if digest is not None:
+            peer.recent.append(digest)
         same_host = host_id == self.config.host_id
         unread = 0
         for message in batch:

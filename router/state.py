@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -26,6 +26,7 @@ from router.scheduling.runtime import build_scheduler
 from router.security import Security, SecurityConfig
 from router.sources.base import Source
 from router.sources.kube_events import EventRecorder, model_server_notifier
+from router.supervise import kept_running
 from router.sync import SyncConfig, SyncNode
 from router.sync.exposition import WorkerMetrics
 from router.tracing import tracing_from_env
@@ -197,7 +198,7 @@ class AppState:
         if self.busy_poll.enabled:
             self._tasks.append(asyncio.create_task(self.busy_poll.run()))
         if self.sync is not None:
-            self._tasks.append(asyncio.create_task(_kept_running("state sync", self.sync.run)))
+            self._tasks.append(asyncio.create_task(kept_running("state sync", self.sync.run)))
         if self.worker_metrics is not None:
             self._tasks.append(asyncio.create_task(self.worker_metrics.serve()))
         if self.config.sync is not None and self.config.sync.workers > 1:
@@ -238,26 +239,3 @@ class AppState:
         await self.upstream.close()
         if self.tracing is not None:
             await asyncio.to_thread(self.tracing.shutdown)  # flushes the last spans
-
-
-
-#: Wait before a crashed background task runs again, doubled each time up to the cap.
-RESTART_DELAY_S: Final = 1.0
-RESTART_DELAY_MAX_S: Final = 30.0
-
-
-async def _kept_running(name: str, run: Callable[[], Awaitable[None]]) -> None:
-    """`run()`, started again (logged, after a growing pause) whenever it fails: a task
-    that ended for good would leave what it keeps current frozen (the state sync: peers'
-    counts on the pods, peers live) with nothing in the logs to say so."""
-    delay = RESTART_DELAY_S
-    while True:
-        try:
-            await run()
-            return
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("%s failed; starting it again in %.0f s", name, delay)
-        await asyncio.sleep(delay)
-        delay = min(RESTART_DELAY_MAX_S, delay * 2)

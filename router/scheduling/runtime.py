@@ -35,7 +35,6 @@ prefers to supervise them itself.
 from __future__ import annotations
 
 import asyncio
-import logging
 import random
 import time
 from collections.abc import Callable, Coroutine
@@ -64,11 +63,10 @@ from router.scheduling.pool_view import PoolView, pool_writers
 from router.scheduling.precise_index import PrecisePrefixIndex
 from router.scheduling.ttft_model import TTFTModels
 from router.scheduling.watcher import SchedulerConfigWatcher
+from router.supervise import RESTART_DELAY_S, kept_running
 from router.tokenization import TokenizePool, TokenizerRegistry
 from router.tokenization.parity import ParityProber
 from router.view import ClusterView, Snapshot
-
-log = logging.getLogger("pdgate.scheduling")
 
 BackgroundFactory = Callable[[], Coroutine[Any, Any, None]]
 
@@ -248,20 +246,9 @@ class SchedulerRuntime:
     async def run(self) -> None:
         """Run every background job until cancelled; a crashed job is logged and restarted."""
         async with asyncio.TaskGroup() as group:
-            for job in self.background():
-                group.create_task(self._supervise(job))
-
-    @staticmethod
-    async def _supervise(job: BackgroundFactory) -> None:
-        while True:
-            try:
-                await job()
-                return
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("scheduler background job %s failed; restarting", job)
-                await asyncio.sleep(1.0)
+            for job in self.background():  # a second's pause between restarts, always
+                group.create_task(kept_running(f"scheduler background job {job}", job,
+                                               max_delay_s=RESTART_DELAY_S))
 
 
 def build_scheduler(

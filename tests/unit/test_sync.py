@@ -575,12 +575,11 @@ async def test_discovery_without_a_kubernetes_client_keeps_the_static_peers_and_
         context.term()
 
 
-async def test_a_sync_task_that_fails_is_started_again(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_sync_task_that_fails_is_started_again() -> None:
     """The state sync's task is kept running: a failure is logged and it starts again
     (it ended for good, leaving peers live and their counts on the pods)."""
-    from router import state
+    from router.supervise import kept_running
 
-    monkeypatch.setattr(state, "RESTART_DELAY_S", 0.001)
     runs: list[int] = []
 
     async def run() -> None:
@@ -588,7 +587,7 @@ async def test_a_sync_task_that_fails_is_started_again(monkeypatch: pytest.Monke
         if len(runs) < 3:
             raise RuntimeError("discovery failed")
 
-    await asyncio.wait_for(state._kept_running("state sync", run), 5)
+    await asyncio.wait_for(kept_running("state sync", run, delay_s=0.001), 5)
     assert runs == [0, 1, 2]
 
 

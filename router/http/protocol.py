@@ -229,7 +229,6 @@ class EdgeProtocol(HttpToolsProtocol):
             if self._head_started:  # the read may end an earlier request's body too
                 self._head_bytes += size - self._read_body
                 if self._head_bytes > self.edge.max_head_bytes:
-                    self._closed_at_head = True
                     self._refuse_after("header_too_large", _answer(headers_too_large(
                         f"Request head exceeds {self.edge.max_head_bytes} bytes.")))
                     return
@@ -321,7 +320,6 @@ class EdgeProtocol(HttpToolsProtocol):
         if self._timer is not None:
             self._disarm()
         if self._declares_too_large_a_body():
-            self._closed_at_head = True
             self._refuse_after("body_too_large", _answer(
                 body_too_large(self.edge.max_body_bytes), self.server_state.default_headers))
             return
@@ -438,7 +436,9 @@ class EdgeProtocol(HttpToolsProtocol):
         self.transport.close()
 
     def _refuse_after(self, reason: str, answer: bytes) -> None:
-        """`_refuse`, once the answers to the requests pipelined ahead are out."""
+        """`_refuse`, once the answers to the requests pipelined ahead are out; the
+        refused request's callbacks do nothing more meanwhile."""
+        self._closed_at_head = True
         self.metrics.refused(reason)
         self._disarm()
         self._close_after(answer)
